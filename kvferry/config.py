@@ -1,0 +1,264 @@
+"""Typed engine configuration. Every check on user-supplied settings lives here.
+
+Each config raises :class:`ConfigError` with one clear sentence on bad input, so the CLI and
+the offline API can show it without a traceback from deep inside the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message is meant to be shown as is."""
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The parts of a Hugging Face ``config.json`` the engine needs, typed and checked."""
+
+    family: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any], source: str = "config.json") -> ArchConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"kvferry supports {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+
+        def req(key: str) -> Any:
+            if key not in raw:
+                raise ConfigError(f"{source}: missing required field {key!r}")
+            return raw[key]
+
+        hidden = int(req("hidden_size"))
+        heads = int(req("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads != 0:
+            raise ConfigError(
+                f"{source}: num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        rope_theta = raw.get("rope_theta")
+        rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        if isinstance(rope_scaling, dict):
+            rope_theta = rope_theta or rope_scaling.get("rope_theta")
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rtype not in ("default", "linear", "llama3"):
+                raise ConfigError(f"{source}: unsupported rope_scaling type {rtype!r}")
+            if rtype == "default":
+                rope_scaling = None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        default_bias = family == "qwen2"
+        return ArchConfig(
+            family=family,
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_hidden_layers=int(req("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=int(req("vocab_size")),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling if isinstance(rope_scaling, dict) else None,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", default_bias)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+def resolve_dtype(name: str, arch_dtype: str | None) -> torch.dtype:
+    if name == "auto":
+        if arch_dtype in _DTYPES:
+            # bf16/fp16 checkpoints run in their own dtype; on CPU fp16 matmuls are slow and
+            # inaccurate, so "auto" picks bf16 there.
+            dt = _DTYPES[arch_dtype]
+            return torch.bfloat16 if dt == torch.float16 and not torch.cuda.is_available() else dt
+        return torch.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    arch: ArchConfig = field(init=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        path = Path(self.model)
+        if not path.exists():
+            raise ConfigError(f"model folder {self.model!r} does not exist")
+        if not path.is_dir():
+            raise ConfigError(f"model {self.model!r} is not a folder (expected a Hugging Face checkpoint folder)")
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"model folder {self.model!r} has no config.json")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{cfg_path} must hold a JSON object")
+        self.arch = ArchConfig.from_dict(raw, str(cfg_path))
+        if not any(path.glob("*.safetensors")):
+            raise ConfigError(f"model folder {self.model!r} has no *.safetensors weights")
+        self.torch_dtype = resolve_dtype(self.dtype, self.arch.torch_dtype)
+        limit = self.arch.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        elif self.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {limit}"
+            )
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+
+    @property
+    def max_len(self) -> int:
+        assert self.max_model_len is not None
+        return self.max_model_len
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes for the KV pool
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+    torch_device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but no CUDA device is available")
+        if not (name == "cpu" or name.startswith("cuda")):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        self.torch_device = torch.device(name)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine instance needs; built from EngineArgs and cross-checked here."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        sc, mc = self.scheduler_config, self.model_config
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_len:
+            raise ConfigError(
+                f"with chunked prefill off, max_num_batched_tokens "
+                f"({sc.max_num_batched_tokens}) must be >= max_model_len ({mc.max_len})"
+            )
+        if self.cache_config.num_kv_blocks is not None:
+            need = -(-mc.max_len // self.cache_config.block_size)
+            if self.cache_config.num_kv_blocks < need:
+                raise ConfigError(
+                    f"num_kv_blocks={self.cache_config.num_kv_blocks} cannot hold one request "
+                    f"of max_model_len={mc.max_len} ({need} blocks of {self.cache_config.block_size} "
+                    f"tokens needed); raise it or lower max_model_len"
+                )

@@ -1,0 +1,67 @@
+"""SchedulerOutput: the plan for one engine step, sent from the scheduler to the workers.
+
+Plain data only; no Request objects cross this boundary, so workers could live in another
+process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen yet, or one resumed after preemption.
+
+    ``token_ids`` holds every known token (prompt plus outputs so far), ``block_ids`` the
+    request's whole block table per KV cache group, and ``num_computed_tokens`` how many
+    leading tokens already have KV in those blocks.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the workers already hold: the blocks appended to them this step.
+
+    The worker appends its own sampled tokens to its copy of the request, so no token ids
+    travel here.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens the forward pass computes for it this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished since the last step; workers drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted this step; their blocks may be reused by this very step.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # True when a request in this step has a synchronous external KV load.
+    has_sync_kv_loads: bool = False
+    # Opaque plan built by the scheduler-side KV connector (None without a connector).
+    kv_connector_metadata: Any | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,55 @@
+"""The forward context: per-step state every attention layer reads during one forward pass.
+
+Exactly one context is active at a time; ``set_forward_context`` installs it for the duration
+of a ``with`` block and always clears it afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from kvferry.model.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    # None on a step without tokens (the connector's no-forward path).
+    attn_metadata: AttentionMetadata | None
+    # layer name -> that layer's paged KV cache, shape (2, num_blocks, block_size, kv_heads, head_dim)
+    kv_caches: dict[str, torch.Tensor]
+    # The worker-side KV connector, or None. Attention layers call its per-layer hooks only
+    # when it has metadata bound for this step.
+    kv_connector: Any | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_CURRENT: ContextVar[ForwardContext | None] = ContextVar("kvferry_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    if _CURRENT.get() is not None:
+        raise RuntimeError("a forward context is already active; forwards cannot nest")
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise RuntimeError("no forward context is active; run the model inside set_forward_context")
+    return ctx
+
+
+def has_forward_context() -> bool:
+    return _CURRENT.get() is not None
