@@ -1,0 +1,5 @@
+import sys
+
+from kvferry.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,156 @@
+"""LLMEngine: one step is schedule -> execute -> update.
+
+    scheduler_output = scheduler.schedule()
+    runner_output    = executor.execute_model(scheduler_output)
+    core_outputs     = scheduler.update_from_output(scheduler_output, runner_output)
+    user_outputs     = output_processor.process(core_outputs)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from kvferry import envs
+from kvferry.config import ConfigError, EngineConfig
+from kvferry.core.block_hash import get_request_block_hasher
+from kvferry.core.scheduler import Scheduler
+from kvferry.engine.arg_utils import EngineArgs
+from kvferry.engine.output_processor import OutputProcessor
+from kvferry.kv_transfer.base import KVConnectorRole, KVConnectorStats
+from kvferry.kv_transfer.factory import KVConnectorFactory
+from kvferry.kv_transfer.trace import maybe_wrap
+from kvferry.logger import init_logger, kv
+from kvferry.outputs import RequestOutput
+from kvferry.request import Request, RequestStatus
+from kvferry.sampling_params import SamplingParams
+from kvferry.tokenizer import Tokenizer
+from kvferry.worker.executor import UniProcExecutor
+
+logger = init_logger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        mc = config.model_config
+        assert mc.tokenizer is not None
+        self.tokenizer = Tokenizer(mc.tokenizer)
+        self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.arch.eos_token_ids))
+        self.executor = UniProcExecutor(config)
+        self.kv_cache_config = self.executor.kv_cache_config
+        kvt = config.kv_transfer_config
+        connector = None
+        if kvt is not None:
+            connector = maybe_wrap(KVConnectorFactory.create_connector(
+                config, KVConnectorRole.SCHEDULER, self.kv_cache_config
+            ))
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            self.kv_cache_config,
+            max_model_len=mc.max_len,
+            log_stats=config.log_stats,
+            **({"connector": connector, "kv_load_failure_policy": kvt.kv_load_failure_policy}
+               if kvt else {}),
+        )
+        # Connector stats since the engine started (the log line shows each interval's).
+        self.kv_connector_stats = KVConnectorStats()
+        self._interval_kv_stats = KVConnectorStats()
+        self._block_hasher = get_request_block_hasher(config.cache_config.block_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self._last_log = time.monotonic()
+        self._tokens_since_log = 0
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info(kv("engine ready", seconds=self.startup_seconds))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ConfigError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ConfigError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and enqueue one request; raises ConfigError on bad input."""
+        params = params or SamplingParams()
+        text, ids = self._tokenize(prompt)
+        max_len = self.config.model_config.max_len
+        vocab = self.config.model_config.arch.vocab_size
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        if len(ids) >= max_len:
+            raise ConfigError(
+                f"the prompt has {len(ids)} tokens; it must be shorter than "
+                f"max_model_len={max_len} to leave room for output"
+            )
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ConfigError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if self.scheduler.get_request(request_id) is not None:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id,
+            ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            block_hasher=self._block_hasher,
+        )
+        self.output_processor.add_request(request_id, text, ids, params)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self.output_processor.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        processed = self.output_processor.process(core_outputs)
+        if processed.stopped_by_string:
+            self.scheduler.finish_requests(processed.stopped_by_string, RequestStatus.FINISHED_STOPPED)
+        if self.config.log_stats:
+            self._maybe_log(sum(len(o.new_token_ids) for o in core_outputs))
+        return processed.outputs
+
+    def _maybe_log(self, new_tokens: int) -> None:
+        self._tokens_since_log += new_tokens
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < envs.log_stats_interval_s():
+            return
+        stats = self.scheduler.make_stats()
+        logger.info(kv("engine stats", gen_tok_per_s=self._tokens_since_log / elapsed, **vars(stats)))
+        self._last_log, self._tokens_since_log = now, 0
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.executor.shutdown()

@@ -1,0 +1,171 @@
+"""The ``kvferry`` command line: ``generate``, ``make-tiny-model`` and ``trace``.
+
+Bad input (flags, model folders, prompts) ends with one ``error: ...`` line and exit code 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from kvferry.config import ConfigError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from kvferry.engine.arg_utils import EngineArgs
+
+    p = sub.add_parser("generate", help="generate completions for prompts (offline)")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvferry.engine.arg_utils import EngineArgs
+    from kvferry.engine.llm import LLM
+    from kvferry.sampling_params import SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"prompts file {args.prompts_file!r} does not exist")
+        prompts += [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError("no prompts given; use --prompt TEXT or --prompts-file FILE")
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop,
+    )
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    elapsed = time.perf_counter() - t0
+    n_out = 0
+    for out in outputs:
+        c = out.outputs[0]
+        n_out += len(c.token_ids)
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}))
+        else:
+            print(f"--- prompt: {out.prompt!r}\n    output: {c.text!r}  [{c.finish_reason}]")
+    if not args.json:
+        print(f"{len(outputs)} requests, {n_out} output tokens in {elapsed:.2f}s "
+              f"({n_out / max(elapsed, 1e-9):.1f} tok/s); engine start-up "
+              f"{llm.engine.startup_seconds:.2f}s")
+    return 0
+
+
+def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a random-weight Hugging Face checkpoint")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--max-position-embeddings", type=int, default=4096)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.set_defaults(func=_cmd_make_tiny_model)
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from kvferry.model.tiny import make_tiny_model
+
+    for name in ("hidden", "layers", "heads", "kv_heads", "vocab"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    out = make_tiny_model(
+        args.out,
+        arch=args.arch,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        intermediate=args.intermediate,
+        max_position_embeddings=args.max_position_embeddings,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        seed=args.seed,
+        tie_word_embeddings=args.tie_word_embeddings,
+    )
+    print(f"wrote {args.arch} model to {out}")
+    return 0
+
+
+def _add_trace(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trace", help="render a KV-connector trace (KVFERRY_TRACE_CONNECTOR=1) as mermaid"
+    )
+    p.add_argument("file", help="trace file (JSON lines)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("-o", "--output", help="write the diagram here instead of stdout")
+    p.set_defaults(func=_cmd_trace)
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from kvferry.kv_transfer.trace import render_mermaid
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise ConfigError(f"trace file {args.file!r} does not exist")
+    try:
+        text = render_mermaid(path, args.max_steps)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{args.file} is not a kvferry connector trace: {e}") from None
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvferry", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_tiny_model(sub)
+    _add_trace(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

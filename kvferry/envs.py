@@ -1,0 +1,29 @@
+"""Every KVFERRY_* environment variable the engine reads, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def log_level() -> str:
+    """KVFERRY_LOG_LEVEL: logging level of the ``kvferry`` logger (default INFO)."""
+    return os.environ.get("KVFERRY_LOG_LEVEL", "INFO").upper()
+
+
+def log_stats_interval_s() -> float:
+    """KVFERRY_LOG_STATS_INTERVAL: seconds between the engine's periodic stats lines."""
+    return float(os.environ.get("KVFERRY_LOG_STATS_INTERVAL", "10"))
+
+
+def trace_connector() -> bool:
+    """KVFERRY_TRACE_CONNECTOR=1: record every KV-connector call (see ``kvferry trace``)."""
+    return _flag("KVFERRY_TRACE_CONNECTOR")
+
+
+def trace_connector_file() -> str:
+    """KVFERRY_TRACE_FILE: where the connector trace is written (JSON lines)."""
+    return os.environ.get("KVFERRY_TRACE_FILE", "kvferry-connector-trace.jsonl")

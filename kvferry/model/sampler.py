@@ -1,0 +1,82 @@
+"""Sampler: turns the last-position logits of each request into its next token.
+
+Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p, and draw
+with the request's own generator when it set a seed (reproducible regardless of batch mates)
+or with the engine's generator otherwise. Logprobs come from the raw logits, before any
+sampling transform, as in vLLM's default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None  # per-request when seeded
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token: logprob} with the sampled token and the top-n, or None when not asked.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            tokens = tokens.clone()
+            for i in random_rows:
+                tokens[i] = self._sample_row(logits[i], rows[i])
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(logits, rows, token_list))
+
+    def _sample_row(self, row_logits: torch.Tensor, row: SamplingRow) -> int:
+        p = row.params
+        scaled = row_logits / p.temperature
+        if p.top_k is not None and p.top_k < scaled.numel():
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        gen = row.generator if row.generator is not None else self.generator
+        if probs.device.type != "cpu":
+            probs = probs.cpu()
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]
+    ) -> list[dict[int, float] | None]:
+        want = [r.params.logprobs for r in rows]
+        if all(n is None for n in want):
+            return [None] * len(rows)
+        logp = torch.log_softmax(logits, dim=-1)
+        out: list[dict[int, float] | None] = []
+        for i, n in enumerate(want):
+            if n is None:
+                out.append(None)
+                continue
+            entry = {tokens[i]: float(logp[i, tokens[i]])}
+            if n > 0:
+                vals, idx = torch.topk(logp[i], n)
+                entry.update(zip(idx.tolist(), vals.tolist(), strict=True))
+            out.append(entry)
+        return out

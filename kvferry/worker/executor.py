@@ -1,0 +1,45 @@
+"""Executor: runs the step's plan on the workers and returns one combined output.
+
+kvferry runs one worker in-process today. The executor is still the single place where the
+workers' KV-connector outputs are combined (``KVOutputAggregator``), so the scheduler sees a
+request finished only once every worker reported it, whatever the worker count.
+"""
+
+from __future__ import annotations
+
+from kvferry.config import EngineConfig
+from kvferry.core.kv_cache_config import KVCacheConfig
+from kvferry.core.sched_output import SchedulerOutput
+from kvferry.kv_transfer.aggregator import KVOutputAggregator
+from kvferry.worker.runner_output import ModelRunnerOutput
+from kvferry.worker.worker import Worker
+
+
+class UniProcExecutor:
+    world_size = 1
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.workers = [self.worker]
+        self.aggregator: KVOutputAggregator | None = None
+        connector = self.worker.kv_connector
+        if connector is not None:
+            expected = connector.get_finished_count() or self.world_size
+            self.aggregator = KVOutputAggregator(expected)
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        return self.worker.kv_cache_config
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        outputs = [w.model_runner.execute_model(scheduler_output) for w in self.workers]
+        result = outputs[0]
+        if self.aggregator is not None:
+            result.kv_connector_output = self.aggregator.aggregate(
+                [o.kv_connector_output for o in outputs]
+            )
+        return result
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()

@@ -1,0 +1,172 @@
+"""ModelRunner: keeps the worker's copy of each request, builds the flattened batch of one
+step, runs the model inside a forward context and samples.
+
+The scheduler owns the truth about requests; the runner mirrors what it needs (token ids,
+block table, sampling state) from each ``SchedulerOutput`` and appends its own sampled tokens,
+so only block ids and counts travel from the scheduler for requests already known here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvferry.core.sched_output import SchedulerOutput
+from kvferry.model.attention_metadata import build_attention_metadata
+from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.model.sampler import Sampler, SamplingRow
+from kvferry.sampling_params import SamplingParams
+from kvferry.worker.kv_connector import KVConnectorDriver
+from kvferry.worker.runner_output import ModelRunnerOutput
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StepBatch:
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+    # Batch rows whose last scheduled token is the request's last known token: they sample.
+    sample_rows: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: dict[str, torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
+        # Drives the worker-side KV connector around each step (None without a connector).
+        self.kv_driver: KVConnectorDriver | None = None
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params
+            gen = None
+            if sp.seed is not None and not sp.greedy:
+                gen = torch.Generator(device="cpu").manual_seed(sp.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=sp,
+                block_ids=list(new.block_ids[0]),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=gen,
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.requests[req_id]
+            state.num_computed_tokens = num_computed
+            if new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+
+    def _prepare_batch(self, so: SchedulerOutput) -> StepBatch:
+        req_ids = list(so.num_scheduled_tokens)
+        ids: list[int] = []
+        pos: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for row, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            ids.extend(state.token_ids[start:end])
+            pos.extend(range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            if end >= len(state.token_ids):
+                sample_rows.append(row)
+        return StepBatch(
+            req_ids=req_ids,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            sample_rows=sample_rows,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(so)
+        driver = self.kv_driver
+        if so.total_num_scheduled_tokens == 0:
+            if driver is None:
+                return ModelRunnerOutput()
+            return ModelRunnerOutput(kv_connector_output=driver.no_forward(so))
+        batch = self._prepare_batch(so)
+        attn_metadata = build_attention_metadata(
+            query_lens=batch.query_lens,
+            seq_lens=batch.seq_lens,
+            block_tables=[self.requests[r].block_ids for r in batch.req_ids],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        connector = driver.connector if driver is not None else None
+        ctx = ForwardContext(attn_metadata, self.kv_caches, connector)
+        kv_output = None
+        with set_forward_context(ctx):
+            if driver is None:
+                hidden = self.model(batch.input_ids, batch.positions)
+            else:
+                driver.pre_forward(so, ctx)
+                try:
+                    hidden = self.model(batch.input_ids, batch.positions)
+                except BaseException:
+                    driver.abort_step()
+                    raise
+                kv_output = driver.post_forward(so, ctx)
+        output = self._sample(batch, hidden)
+        output.kv_connector_output = kv_output
+        return output
+
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list[list[dict[int, float]] | None] = [None] * len(batch.req_ids)
+        if batch.sample_rows:
+            ends = torch.tensor(batch.query_lens, device=hidden.device).cumsum(0) - 1
+            last = ends[torch.tensor(batch.sample_rows, device=hidden.device)]
+            logits = self.model.compute_logits(hidden[last])
+            states = [self.requests[batch.req_ids[r]] for r in batch.sample_rows]
+            rows = [SamplingRow(s.sampling_params, s.generator) for s in states]
+            out = self.sampler(logits, rows)
+            for row, state, token, lp in zip(
+                batch.sample_rows, states, out.token_ids, out.logprobs, strict=True
+            ):
+                state.token_ids.append(token)
+                sampled[row] = [token]
+                if lp is not None:
+                    logprobs[row] = [lp]
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
+        )

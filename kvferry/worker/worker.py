@@ -1,0 +1,120 @@
+"""Worker: owns the device, the model weights and the paged KV cache tensors.
+
+Sizing the KV pool: ``--num-kv-blocks`` wins; else ``--kv-cache-memory`` bytes; else a
+default share of the memory left after loading the weights. A budget that cannot hold one
+request of ``max_model_len`` tokens, or that exceeds the memory available, is refused with a
+``ConfigError`` before anything large is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from kvferry.config import ConfigError, EngineConfig
+from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from kvferry.kv_transfer.factory import KVConnectorFactory
+from kvferry.kv_transfer.trace import maybe_wrap
+from kvferry.logger import init_logger, kv
+from kvferry.model.loader import load_model
+from kvferry.worker.kv_connector import KVConnectorDriver
+from kvferry.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+_CPU_DEFAULT_CAP = 2 * 1024**3  # like vLLM CPU's KV-space default order of magnitude
+_CPU_DEFAULT_FRACTION = 0.3
+_CUDA_DEFAULT_FRACTION = 0.85
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 1024**2:.1f}MiB"
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device_config.torch_device
+        mc = config.model_config
+        t0 = time.perf_counter()
+        self.model = load_model(mc, self.device)
+        logger.info(kv("model loaded", model=mc.model, dtype=str(mc.torch_dtype).removeprefix("torch."),
+                       device=str(self.device), seconds=time.perf_counter() - t0))
+        arch = mc.arch
+        group = KVCacheGroupSpec(
+            layer_names=tuple(self.model.layer_names),
+            block_size=config.cache_config.block_size,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            dtype=mc.torch_dtype,
+        )
+        num_blocks = self._num_blocks(group)
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=(group,))
+        shape = (2, num_blocks, group.block_size, group.num_kv_heads, group.head_dim)
+        # Zeroed so padded attention positions never read NaN garbage.
+        self.kv_caches = {
+            name: torch.zeros(shape, dtype=group.dtype, device=self.device)
+            for name in group.layer_names
+        }
+        logger.info(kv("KV cache allocated", blocks=num_blocks, block_size=group.block_size,
+                       tokens=num_blocks * group.block_size,
+                       bytes=_fmt_bytes(num_blocks * self.kv_cache_config.bytes_per_block)))
+        self.model_runner = ModelRunner(
+            self.model, self.kv_caches, group.block_size, self.device, mc.seed
+        )
+        self.kv_connector: KVConnectorBase | None = None
+        if config.kv_transfer_config is not None:
+            connector = KVConnectorFactory.create_connector(
+                config, KVConnectorRole.WORKER, self.kv_cache_config
+            )
+            self.kv_connector = maybe_wrap(connector)
+            self.model_runner.kv_driver = KVConnectorDriver(self.kv_connector, self.kv_caches)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+
+    def _num_blocks(self, group: KVCacheGroupSpec) -> int:
+        cc, mc = self.config.cache_config, self.config.model_config
+        per_block = group.bytes_per_block_per_layer * len(group.layer_names)
+        need = -(-mc.max_len // group.block_size)
+        avail = available_memory(self.device)
+        if cc.num_kv_blocks is not None:
+            budget = cc.num_kv_blocks * per_block
+            source = f"num_kv_blocks={cc.num_kv_blocks}"
+        elif cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+            source = f"kv_cache_memory={_fmt_bytes(budget)}"
+        else:
+            if self.device.type == "cuda":
+                budget = int(avail * _CUDA_DEFAULT_FRACTION)
+            else:
+                budget = min(_CPU_DEFAULT_CAP, int(avail * _CPU_DEFAULT_FRACTION))
+            # Never default to more than every sequence at full length could use.
+            max_useful = need * self.config.scheduler_config.max_num_seqs * per_block
+            budget = min(budget, max(max_useful, need * per_block))
+            source = "the default budget"
+        if budget > avail:
+            raise ConfigError(
+                f"{source} needs {_fmt_bytes(budget)} for the KV cache but only "
+                f"{_fmt_bytes(avail)} of {self.device.type} memory is available"
+            )
+        num_blocks = budget // per_block
+        if num_blocks < need:
+            raise ConfigError(
+                f"{source} gives {num_blocks} KV blocks ({_fmt_bytes(per_block)} each), fewer than "
+                f"the {need} needed for one request of max_model_len={mc.max_len}; "
+                f"raise the KV budget to at least {_fmt_bytes(need * per_block)} or lower "
+                f"--max-model-len"
+            )
+        return int(num_blocks)
