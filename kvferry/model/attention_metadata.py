@@ -1,0 +1,238 @@
+"""Per-step attention metadata, built once per step and shared by every attention layer.
+
+Beyond the vLLM-style fields (slot mapping, block table, query/sequence lengths) the builder
+precomputes an execution plan, so each layer only runs tensor ops:
+
+* decode requests (one new token) are batched: per group of similar lengths, one gather of
+  their KV blocks and one attention call with a length mask;
+* prefill requests with no cached context attend only to their own new tokens, so they use
+  causal attention on the fresh q/k/v directly, without touching the cache;
+* prefill chunks with cached context (chunked prefill, prefix-cache hits, KV loaded by a
+  connector) gather their blocks and use an explicit causal mask offset by the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodePlan:
+    """Requests with exactly one new token and similar lengths, attended together: one gather
+    of their blocks and one SDPA call (on CPU, a few requests at a time; see attention.py)."""
+
+    req_indices: list[int]
+    # Flat-batch rows of their tokens: a (start, stop) range when they are contiguous,
+    # otherwise an index tensor on the device.
+    token_range: tuple[int, int] | None
+    token_index: torch.Tensor | None
+    # [num_decodes, num_blocks] block ids, padded with block 0 (masked out).
+    block_table: torch.Tensor
+    # [num_decodes, 1, 1, num_blocks * block_size] True where a key position is valid; None
+    # when every decode uses every gathered position.
+    mask: torch.Tensor | None
+    _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as 0 / -inf in ``dtype``, converted once per step rather than per layer."""
+        if self.mask is None:
+            return None
+        m = self._float_masks.get(dtype)
+        if m is None:
+            m = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            m.masked_fill_(~self.mask, float("-inf"))
+            self._float_masks[dtype] = m
+        return m
+
+
+@dataclass
+class PrefillPlan:
+    """One request with more than one new token."""
+
+    req_index: int
+    token_start: int
+    token_stop: int
+    context_len: int  # tokens already in the cache before this step
+    seq_len: int
+    # Only when context_len > 0: the blocks holding the whole sequence, and the [q, seq_len]
+    # boolean mask (True = attend) of a causal mask shifted by context_len.
+    block_ids: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention layers need for one step of a flattened, mixed batch.
+
+    Requests are in batch order; request ``i`` owns flat rows
+    ``query_start_loc[i] .. query_start_loc[i + 1] - 1``, which hold its tokens at positions
+    ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    # [num_tokens] long, where each new token's K/V goes: block_id * block_size + offset.
+    slot_mapping: torch.Tensor
+    # [num_reqs, max_blocks] long, padded with 0.
+    block_table: torch.Tensor
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    decodes: list[DecodePlan]
+    prefills: list[PrefillPlan]
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build the metadata and per-step attention plan for one step.
+
+    ``block_tables[i]`` must cover ``seq_lens[i]`` tokens (it may hold more blocks);
+    ``query_lens[i]`` must be in ``1 .. seq_lens[i]``. Raises ``ValueError`` otherwise.
+    """
+    num_reqs = len(query_lens)
+    if not (len(seq_lens) == len(block_tables) == num_reqs):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per request")
+    for i, (q, s, bt) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+        if not 0 < q <= s:
+            raise ValueError(f"request {i}: query_len {q} must be in 1..seq_len ({s})")
+        if len(bt) * block_size < s:
+            raise ValueError(
+                f"request {i}: {len(bt)} blocks of {block_size} cannot hold {s} tokens"
+            )
+
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    num_tokens = starts[-1]
+    max_blocks = max((len(bt) for bt in block_tables), default=0)
+    padded = [bt + [0] * (max_blocks - len(bt)) for bt in block_tables]
+    block_table_cpu = torch.tensor(padded, dtype=torch.long).reshape(num_reqs, max_blocks)
+
+    # Slot of every new token, vectorised: row -> (request, position) -> block -> slot.
+    q_t = torch.tensor(query_lens, dtype=torch.long)
+    ctx_t = torch.tensor(seq_lens, dtype=torch.long) - q_t
+    req_of_tok = torch.repeat_interleave(torch.arange(num_reqs), q_t)
+    start_t = torch.tensor(starts[:-1], dtype=torch.long)
+    pos = torch.arange(num_tokens) - start_t[req_of_tok] + ctx_t[req_of_tok]
+    slots = block_table_cpu[req_of_tok, pos // block_size] * block_size + pos % block_size
+
+    decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
+    decodes = [
+        _plan_decodes(group, starts, seq_lens, block_table_cpu, block_size, device)
+        for group in _group_decodes(decode_idx, seq_lens, block_size)
+    ]
+    prefills = [
+        _plan_prefill(i, starts, query_lens[i], seq_lens[i], block_tables[i], block_size, device)
+        for i, q in enumerate(query_lens)
+        if q > 1
+    ]
+    return AttentionMetadata(
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        query_start_loc=starts,
+        query_lens=list(query_lens),
+        seq_lens=list(seq_lens),
+        slot_mapping=slots.to(device),
+        block_table=block_table_cpu.to(device),
+        block_size=block_size,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        decodes=decodes,
+        prefills=prefills,
+    )
+
+
+# A decode group's padded width may grow to this multiple of its shortest member's before a
+# new group starts: padding costs gather bandwidth and attention work, while each group adds
+# a handful of kernel launches per layer.
+_GROUP_WIDTH_RATIO = 1.5
+# Bounds the gather workspace (tokens per group, K and V of one layer).
+_GROUP_MAX_TOKENS = 32768
+
+
+def _group_decodes(idx: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Split decode requests into groups of similar length; each group keeps batch order."""
+    if not idx:
+        return []
+    by_len = sorted(idx, key=lambda i: seq_lens[i])
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    first_blocks = 0
+    for i in by_len:
+        nblocks = -(-seq_lens[i] // block_size)
+        if cur and (
+            nblocks > _GROUP_WIDTH_RATIO * first_blocks
+            or (len(cur) + 1) * nblocks * block_size > _GROUP_MAX_TOKENS
+        ):
+            groups.append(sorted(cur))
+            cur = []
+        if not cur:
+            first_blocks = nblocks
+        cur.append(i)
+    groups.append(sorted(cur))
+    return groups
+
+
+def _plan_decodes(
+    idx: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> DecodePlan:
+    rows = [starts[i] for i in idx]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    lens = [seq_lens[i] for i in idx]
+    nblocks = -(-max(lens) // block_size)
+    width = nblocks * block_size
+    mask = None
+    if any(n != width for n in lens):
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        mask = (torch.arange(width)[None, :] < lens_t[:, None]).view(len(idx), 1, 1, width)
+        mask = mask.to(device)
+    return DecodePlan(
+        req_indices=idx,
+        token_range=(rows[0], rows[0] + len(rows)) if contiguous else None,
+        token_index=None if contiguous else torch.tensor(rows, dtype=torch.long, device=device),
+        block_table=block_table[idx, :nblocks].to(device),
+        mask=mask,
+    )
+
+
+def _plan_prefill(
+    i: int,
+    starts: list[int],
+    q: int,
+    seq_len: int,
+    blocks: list[int],
+    block_size: int,
+    device: torch.device,
+) -> PrefillPlan:
+    ctx = seq_len - q
+    block_ids = mask = None
+    if ctx > 0:
+        nblocks = -(-seq_len // block_size)
+        block_ids = torch.tensor(blocks[:nblocks], dtype=torch.long, device=device)
+        # Query row r sits at position ctx + r and may see keys 0 .. ctx + r.
+        keys = torch.arange(seq_len, device=device)
+        mask = keys[None, :] <= (torch.arange(q, device=device) + ctx)[:, None]
+    return PrefillPlan(
+        req_index=i,
+        token_start=starts[i],
+        token_stop=starts[i + 1],
+        context_len=ctx,
+        seq_len=seq_len,
+        block_ids=block_ids,
+        mask=mask,
+    )

@@ -1,0 +1,192 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, gated SiLU MLP.
+
+Numerics follow Hugging Face ``transformers`` operation by operation (same dtypes at each
+step), so an fp32 kvferry model reproduces the reference logits to rounding noise and a bf16
+one rounds the same way in the places that matter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in fp32 like HF.
+
+    ``add_norm(x, residual)`` is the fused form used between sub-layers: it adds ``residual``
+    to ``x`` in the input dtype (as HF's decoder layers do) and returns
+    ``(norm(x + residual), x + residual)``; the sum is the next residual stream.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + residual
+        return self.forward(x), x
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
+) -> torch.Tensor:
+    """Inverse rotary frequencies (fp32, length ``head_dim // 2``) as HF computes them.
+
+    ``scaling`` is a HF ``rope_scaling`` / ``rope_parameters`` dict with ``rope_type`` (or the
+    legacy ``type``) "default", "linear" (``factor``) or "llama3" (``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
+    """
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exps)
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", max_position))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in HF's "rotate half" layout.
+
+    cos/sin tables for ``max_position`` positions are built lazily per (device, dtype), in
+    fp32 and then cast, which is exactly what HF does per step; a table is never a parameter,
+    so models can be built on the meta device and loaded later.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.theta = theta
+        self.scaling = scaling
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype)
+        table = self._tables.get(key)
+        if table is None:
+            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_position)
+            pos = torch.arange(self.max_position, dtype=torch.int64).float()
+            freqs = pos[:, None] * inv_freq[None, :]
+            with torch.inference_mode(False):  # usable outside inference_mode later
+                table = (freqs.cos().to(device, dtype), freqs.sin().to(device, dtype))
+            self._tables[key] = table
+        return table
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half-width cos/sin rows for ``positions``, shaped ``[num_tokens, 1, head_dim // 2]``
+        to broadcast over heads. Compute once per forward and reuse in every layer."""
+        cos, sin = self._table(positions.device, dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[num_tokens, heads, head_dim]`` by the half-width ``cos``/``sin``
+    from :meth:`RotaryEmbedding.cos_sin`; returns a new contiguous tensor. Same products and
+    sums as HF's ``x * cos + rotate_half(x) * sin``, written into one output without a concat."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
+    torch.add(x2 * cos, x1 * sin, out=out[..., half:])
+    return out
+
+
+def _native_half_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU has bf16/fp16 matrix instructions (AVX512-BF16, AMX)."""
+    probes = {
+        torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+        torch.float16: ("_is_amx_fp16_supported",),
+    }[dtype]
+    for name in probes:
+        probe = getattr(torch.cpu, name, None)
+        try:
+            if probe is not None and probe():
+                return True
+        except RuntimeError:
+            pass
+    return False
+
+
+_NATIVE_HALF = {dt: _native_half_matmul(dt) for dt in (torch.bfloat16, torch.float16)}
+# Below this many rows the half-precision GEMV is memory-bound and beats converting the weight.
+_UPCAST_MIN_ROWS = 6
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that avoids emulated half-precision GEMMs.
+
+    On a CPU without bf16/fp16 matrix instructions (e.g. AVX2 only) torch emulates them, 5-8x
+    slower than fp32 for 64+ rows. There the weight is widened to fp32 for the call instead:
+    bf16 x bf16 products are exact in fp32 and both paths accumulate in fp32, so the result
+    only differs by summation order. Elsewhere (CUDA, AMX/AVX512-BF16 CPUs) this is F.linear.
+    """
+    if (
+        x.device.type == "cpu"
+        and x.dtype in _NATIVE_HALF
+        and not _NATIVE_HALF[x.dtype]
+        and x.numel() >= _UPCAST_MIN_ROWS * x.shape[-1]
+    ):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed with :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
+        return self.down_proj(F.silu(gate) * up)

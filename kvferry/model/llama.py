@@ -1,0 +1,150 @@
+"""Decoder-only transformer covering the Llama, Qwen2 and Qwen3 families.
+
+The families differ only in small switches, read from :class:`~kvferry.config.ArchConfig`:
+
+* Llama: ``attention_bias`` biases q/k/v/o, ``mlp_bias`` biases the MLP.
+* Qwen2: q/k/v always biased, o never (as in HF's ``Qwen2Attention``).
+* Qwen3: per-head RMSNorm on q and k before rotary; ``attention_bias`` biases q/k/v/o.
+
+Parameters keep Hugging Face names except two fusions, which the loader assembles from the HF
+tensors: ``self_attn.qkv_proj`` (q, k, v stacked along the output dim) and
+``mlp.gate_up_proj`` (gate then up).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvferry.config import ArchConfig
+from kvferry.model.attention import Attention
+from kvferry.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = True if cfg.family == "qwen2" else cfg.attention_bias
+        o_bias = False if cfg.family == "qwen2" else cfg.attention_bias
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qk_norm = cfg.family == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            layer_name=f"model.layers.{layer_idx}.self_attn.attn",
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :]
+        if self.qk_norm:
+            q_raw = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+            k_raw = qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = apply_rotary(self.q_norm(q_raw), cos, sin)
+            k = apply_rotary(
+                self.k_norm(k_raw.view(n, self.num_kv_heads, self.head_dim)),
+                cos,
+                sin,
+            )
+        else:
+            # q and k heads sit side by side in qkv, so one rotary call covers both.
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = self.attn(q, k, v)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp_out, residual)``; their sum is the layer's output. Deferring the add
+        lets the next layer's norm fuse it."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, cos, sin)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim,
+            max_positions or cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin)
+        if residual is None:
+            return self.norm(x)  # type: ignore[no-any-return]
+        return self.norm.add_norm(x, residual)[0]
+
+
+class CausalLM(nn.Module):
+    """A causal language model over the flattened tokens of one engine step.
+
+    ``forward(input_ids, positions)`` takes ``[num_tokens]`` long tensors (``positions`` are
+    absolute positions in each request's sequence) and returns the final hidden states
+    ``[num_tokens, hidden_size]``. It must run inside ``set_forward_context``: the attention
+    layers read the step's metadata and KV caches from it. ``compute_logits(hidden)`` returns
+    fp32 ``[n, vocab_size]``. ``layer_names`` lists the attention layers, in order, as they
+    key ``ForwardContext.kv_caches``.
+
+    ``max_positions`` (default: the config's ``max_position_embeddings``) sizes the rotary
+    tables; positions must be below it.
+    """
+
+    def __init__(self, cfg: ArchConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, max_positions)
+        self.tie_word_embeddings = cfg.tie_word_embeddings
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.layer_names: list[str] = [
+            f"model.layers.{i}.self_attn.attn" for i in range(cfg.num_hidden_layers)
+        ]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return linear(hidden, weight).float()

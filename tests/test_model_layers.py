@@ -1,0 +1,83 @@
+"""Layer building blocks against Hugging Face's definitions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvferry.model import layers
+from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, linear, rope_inv_freq
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+    ids=["default", "linear", "llama3"],
+)
+def test_rope_matches_hf(scaling: dict[str, Any] | None) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=4,
+        max_position_embeddings=16384,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+    )
+    head_dim = 128
+    hf_rope = LlamaRotaryEmbedding(cfg)
+    expected_inv = hf_rope.inv_freq
+    got_inv = rope_inv_freq(head_dim, 500000.0, scaling, 16384)
+    assert torch.equal(got_inv, expected_inv)
+
+    positions = torch.tensor([0, 1, 7, 300, 9000, 16383])
+    x = torch.randn(len(positions), 3, head_dim)
+    cos, sin = hf_rope(x, positions[None])
+    expected, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    ours = RotaryEmbedding(head_dim, 16384, 500000.0, scaling)
+    c, s = ours.cos_sin(positions, x.dtype)
+    assert torch.equal(apply_rotary(x, c, s), expected[0].transpose(0, 1))
+
+
+def test_rms_norm_matches_hf() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = LlamaRMSNorm(64, eps=1e-5)
+        ours = RMSNorm(64, eps=1e-5)
+        w = torch.randn(64)
+        hf.weight.data.copy_(w)
+        ours.weight.data.copy_(w)
+        hf.to(dtype)
+        ours.to(dtype)
+        x, r = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
+        assert torch.equal(ours(x), hf(x))
+        normed, summed = ours.add_norm(x, r)
+        assert torch.equal(summed, x + r) and torch.equal(normed, hf(x + r))
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_half_precision_linear(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(rows, 96).bfloat16()
+    w, b = torch.randn(40, 96).bfloat16(), torch.randn(40).bfloat16()
+    exact = F.linear(x.double(), w.double(), b.double())
+    for native in (True, False):
+        monkeypatch.setitem(layers._NATIVE_HALF, torch.bfloat16, native)
+        out = linear(x, w, b)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), exact, atol=0.1, rtol=1e-2)

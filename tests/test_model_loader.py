@@ -1,0 +1,147 @@
+"""Checkpoint loading: shards, dtype casting, tied embeddings and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvferry.config import ConfigError, ModelConfig
+from kvferry.model.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def state(folder: Path, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    return load_model(ModelConfig(str(folder), dtype=dtype), CPU).state_dict()
+
+
+def test_loads_fused_weights_in_hf_order(tiny_model_factory: Callable[..., Path]) -> None:
+    folder = tiny_model_factory("qwen2")
+    hf = load_file(str(folder / "model.safetensors"))
+    model = load_model(ModelConfig(str(folder), dtype="float32"), CPU)
+    sd = model.state_dict()
+    p = "model.layers.1.self_attn."
+    expected_w = torch.cat(
+        [hf[p + "q_proj.weight"], hf[p + "k_proj.weight"], hf[p + "v_proj.weight"]]
+    )
+    expected_b = torch.cat([hf[p + "q_proj.bias"], hf[p + "k_proj.bias"], hf[p + "v_proj.bias"]])
+    assert torch.equal(sd[p + "qkv_proj.weight"], expected_w)
+    assert torch.equal(sd[p + "qkv_proj.bias"], expected_b)
+    p = "model.layers.1.mlp."
+    expected_gu = torch.cat([hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"]])
+    assert torch.equal(sd[p + "gate_up_proj.weight"], expected_gu)
+    assert not any(t.requires_grad for t in model.parameters())
+    assert model.layer_names == [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def test_sharded_checkpoint_loads_the_same(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    src = tiny_model_factory("llama")
+    folder = copy_of(src, tmp_path / "sharded")
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    weight_map = {}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    a, b = state(src), state(folder)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_casts_to_requested_dtype(tiny_model_factory: Callable[..., Path]) -> None:
+    folder = tiny_model_factory("llama", dtype="bfloat16")
+    sd = state(folder, "float32")
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    assert ModelConfig(str(folder)).torch_dtype == torch.bfloat16  # "auto" follows config.json
+    assert all(t.dtype == torch.bfloat16 for t in state(folder, "auto").values())
+
+
+def test_tied_checkpoint_with_redundant_lm_head(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    folder = copy_of(tiny_model_factory("qwen3", tie_word_embeddings=True), tmp_path / "tied")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    model = load_model(ModelConfig(str(folder), dtype="float32"), CPU)
+    hidden = torch.randn(2, 256)
+    expected = hidden @ tensors["model.embed_tokens.weight"].T
+    torch.testing.assert_close(model.compute_logits(hidden), expected)
+
+
+def test_missing_tensor_is_named(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    folder = copy_of(tiny_model_factory("llama"), tmp_path / "missing")
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.2.self_attn.k_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight"):
+        load_model(ModelConfig(str(folder), dtype="float32"), CPU)
+
+
+def test_untied_checkpoint_without_lm_head(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    folder = copy_of(tiny_model_factory("llama"), tmp_path / "nohead")
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match="lm_head.weight"):
+        load_model(ModelConfig(str(folder), dtype="float32"), CPU)
+
+
+def test_misshaped_tensor_is_named(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    folder = copy_of(tiny_model_factory("llama"), tmp_path / "shape")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(1000, 256)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(
+        ConfigError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\[1000, 256\].*\[1024, 256\]"
+    ):
+        load_model(ModelConfig(str(folder), dtype="float32"), CPU)
+
+
+def test_index_naming_a_missing_shard(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    folder = copy_of(tiny_model_factory("llama"), tmp_path / "badindex")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00009.safetensors"}})
+    )
+    with pytest.raises(ConfigError, match="model-00009.safetensors"):
+        load_model(ModelConfig(str(folder), dtype="float32"), CPU)
+
+
+def test_corrupt_weights_file(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    folder = copy_of(tiny_model_factory("llama"), tmp_path / "corrupt")
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ConfigError, match="cannot read weights file"):
+        load_model(ModelConfig(str(folder), dtype="float32"), CPU)
+
+
+def test_unsupported_architecture(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    folder = copy_of(tiny_model_factory("llama"), tmp_path / "arch")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["MistralForCausalLM"], "mistral"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported architecture.*MistralForCausalLM"):
+        ModelConfig(str(folder))
