@@ -147,7 +147,9 @@ class ModelConfig:
         if not path.exists():
             raise ConfigError(f"model folder {self.model!r} does not exist")
         if not path.is_dir():
-            raise ConfigError(f"model {self.model!r} is not a folder (expected a Hugging Face checkpoint folder)")
+            raise ConfigError(
+                f"model {self.model!r} is not a folder (expected a Hugging Face checkpoint folder)"
+            )
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"model folder {self.model!r} has no config.json")

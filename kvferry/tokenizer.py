@@ -48,7 +48,10 @@ class Tokenizer:
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         eos: list[int] = []
-        if self.eos_token is not None and (tid := self._tok.token_to_id(self.eos_token)) is not None:
+        if (
+            self.eos_token is not None
+            and (tid := self._tok.token_to_id(self.eos_token)) is not None
+        ):
             eos.append(tid)
         gen_eos = gen.get("eos_token_id")
         for tid in gen_eos if isinstance(gen_eos, list) else [gen_eos]:

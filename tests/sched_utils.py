@@ -4,6 +4,7 @@ Build a scheduler with :func:`create_scheduler`, requests with :func:`create_req
 stand in for the workers with either :func:`make_runner_output` (stateless: reads the
 scheduler's own request state) or :class:`FakeWorker` (stateful: mirrors the requests purely
 from each ``SchedulerOutput``, like the real model runner, and checks the plan is coherent).
+:func:`step` can attach a hand-made ``KVConnectorOutput`` to a step's runner output.
 End every lifecycle test with :func:`assert_no_leaks`.
 """
 
@@ -21,6 +22,8 @@ from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvferry.core.outputs import EngineCoreOutput
 from kvferry.core.sched_output import SchedulerOutput
 from kvferry.core.scheduler import Scheduler
+from kvferry.kv_transfer.base import KVConnectorBase
+from kvferry.kv_transfer.output import KVConnectorOutput
 from kvferry.request import Request
 from kvferry.sampling_params import SamplingParams
 from kvferry.worker.runner_output import ModelRunnerOutput
@@ -33,6 +36,9 @@ SAMPLED_TOKEN = 7
 # (request id, index of the output token being sampled) -> token id
 TokenFn = Callable[[str, int], int]
 TokenSpec = int | TokenFn
+
+# A step's KVConnectorOutput, or a function of the step's SchedulerOutput that makes it.
+KVOutputSpec = KVConnectorOutput | Callable[[SchedulerOutput], KVConnectorOutput | None] | None
 
 _request_ids = itertools.count()
 
@@ -58,6 +64,8 @@ def create_scheduler(
     enable_prefix_caching: bool = True,
     max_model_len: int = 256,
     log_stats: bool = True,
+    connector: KVConnectorBase | None = None,
+    kv_load_failure_policy: str = "fail",
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -69,6 +77,8 @@ def create_scheduler(
         make_kv_cache_config(num_blocks, block_size),
         max_model_len=max_model_len,
         log_stats=log_stats,
+        connector=connector,
+        kv_load_failure_policy=kv_load_failure_policy,
     )
 
 
@@ -143,7 +153,9 @@ class FakeWorker:
     """Mirrors requests from ``SchedulerOutput``s alone, as the real model runner does, and
     asserts the plan is self-consistent: known ids only, positions that line up with what it
     computed before, block tables that cover the scheduled tokens and equal the scheduler's.
-    It must see every step of a scheduler from the first one on."""
+    It must see every step of a scheduler from the first one on. Like the real runner it
+    accepts a rewind (the scheduler recomputes after a failed KV load) and then drops the
+    output tokens the scheduler discarded."""
 
     def __init__(self, scheduler: Scheduler | None = None, token: TokenSpec = SAMPLED_TOKEN):
         self.scheduler = scheduler
@@ -161,11 +173,17 @@ class FakeWorker:
                 new.num_prompt_tokens,
             )  # fmt: skip
         cached = so.scheduled_cached_reqs
-        for req_id, blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        for req_id, blocks, num_computed, num_output in zip(
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            cached.num_output_tokens,
+            strict=True,
         ):
             state = self.reqs[req_id]
-            assert state.num_computed_tokens == num_computed, f"{req_id}: position mismatch"
+            assert num_computed <= state.num_computed_tokens, f"{req_id}: position skips ahead"
+            state.num_computed_tokens = num_computed
+            del state.token_ids[state.num_prompt_tokens + num_output :]
             if blocks is not None:
                 state.block_ids.extend(blocks[0])
         assert set(so.num_scheduled_tokens) == {r.req_id for r in so.scheduled_new_reqs} | set(
@@ -195,13 +213,19 @@ class FakeWorker:
 
 
 def step(
-    scheduler: Scheduler, worker: FakeWorker | None = None, token: TokenSpec = SAMPLED_TOKEN
+    scheduler: Scheduler,
+    worker: FakeWorker | None = None,
+    token: TokenSpec = SAMPLED_TOKEN,
+    kv_output: KVOutputSpec = None,
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    """One engine step: schedule, fake the forward, update. Checks pool integrity after."""
+    """One engine step: schedule, fake the forward (attaching ``kv_output``, the workers'
+    aggregated connector output, or what it returns for the step's plan), update. Checks
+    the scheduler's integrity after."""
     so = scheduler.schedule()
     ro = worker.execute(so) if worker is not None else make_runner_output(scheduler, so, token)
+    ro.kv_connector_output = kv_output(so) if callable(kv_output) else kv_output
     outs = scheduler.update_from_output(so, ro)
-    scheduler.kv_cache_manager.check_integrity()
+    scheduler.check_integrity()
     return so, outs
 
 
@@ -241,9 +265,9 @@ def run_until_done(
 def assert_no_leaks(scheduler: Scheduler) -> None:
     """Leak check for the end of every lifecycle test."""
     mgr = scheduler.kv_cache_manager
-    mgr.check_integrity()
+    scheduler.check_integrity()
     assert mgr.get_num_free_blocks() == mgr.num_blocks, "blocks still held"
     assert not mgr.req_to_blocks, f"block tables left: {sorted(mgr.req_to_blocks)}"
     assert not scheduler.requests, f"requests left: {sorted(scheduler.requests)}"
-    assert not scheduler.waiting and not scheduler.running
+    assert not scheduler.waiting and not scheduler.kv_holding and not scheduler.running
     assert not scheduler.has_unfinished_requests()

@@ -54,7 +54,7 @@ def llm(tiny_model_factory) -> LLM:
 def test_prompt_longer_than_max_model_len(llm: LLM) -> None:
     with pytest.raises(ConfigError, match="max_model_len=64"):
         llm.generate({"prompt_token_ids": [5] * 64}, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.get_num_unfinished_requests() == 0
 
 
 def test_bad_token_ids_and_empty_prompt(llm: LLM) -> None:
@@ -66,9 +66,10 @@ def test_bad_token_ids_and_empty_prompt(llm: LLM) -> None:
 
 def test_a_bad_prompt_does_not_leave_others_behind(llm: LLM) -> None:
     with pytest.raises(ConfigError):
-        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5] * 100}],
-                     use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
+        llm.generate(
+            [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5] * 100}], use_tqdm=False
+        )
+    assert llm.engine.scheduler.get_num_unfinished_requests() == 0
     out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 
@@ -111,9 +112,19 @@ def test_impossible_engine_settings(tiny_model_factory, kwargs: dict, match: str
 
 def test_cli_reports_errors_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvferry", "generate", "--model", str(tmp_path / "x"),
-         "--prompt", "hi"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "generate",
+            "--model",
+            str(tmp_path / "x"),
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: model folder")

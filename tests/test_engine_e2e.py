@@ -57,7 +57,9 @@ def test_greedy_matches_transformers(tiny_model_factory, arch: str) -> None:
     llm = LLM(model=str(model_dir), dtype="float32", max_model_len=512)
     got = _kvf_tokens(llm, prompts, GREEDY_64)
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i} diverges at token {next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)}"
+        assert g == e, (
+            f"prompt {i} diverges at token {next(j for j, (a, b) in enumerate(zip(g, e, strict=False)) if a != b)}"
+        )
     _assert_clean(llm)
 
 
@@ -75,8 +77,7 @@ def shared_prefix_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference_outputs(llama_dir, shared_prefix_prompts) -> list[list[int]]:
-    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256,
-              enable_prefix_caching=False)
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, enable_prefix_caching=False)
     return _kvf_tokens(llm, shared_prefix_prompts, GREEDY_64)
 
 
@@ -101,8 +102,13 @@ def test_prefix_hit_is_reported_in_metrics(llama_dir, shared_prefix_prompts):
 
 
 def test_chunked_prefill_is_token_identical(llama_dir, shared_prefix_prompts, reference_outputs):
-    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256,
-              max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = LLM(
+        model=str(llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
     assert _kvf_tokens(llm, shared_prefix_prompts, GREEDY_64) == reference_outputs
     _assert_clean(llm)
 
@@ -118,8 +124,9 @@ def test_preemption_is_token_identical(llama_dir, shared_prefix_prompts, referen
 
 def test_seeded_sampling_is_reproducible(llama_dir):
     llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256)
-    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=24,
-                            ignore_eos=True, logprobs=2)
+    params = SamplingParams(
+        temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True, logprobs=2
+    )
     prompts = _prompts(512, [10, 20], seed=3)
     a = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     b = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)
@@ -132,14 +139,18 @@ def test_seeded_sampling_is_reproducible(llama_dir):
 
 def test_text_prompts_and_stop_strings(llama_dir):
     llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256)
-    free = llm.generate("The ferry", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate(
+        "The ferry", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert free.text and free.finish_reason == "length"
     stop = free.text[len(free.text) // 2 :][:3]
     if not stop.strip():
         pytest.skip("generated text has no usable stop string")
-    out = llm.generate("The ferry", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                                   stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The ferry",
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert stop not in out.text and free.text.startswith(out.text)
     _assert_clean(llm)

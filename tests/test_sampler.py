@@ -12,8 +12,10 @@ def _sampler() -> Sampler:
 
 def test_greedy_takes_argmax_and_reports_logprobs() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
-    rows = [SamplingRow(SamplingParams(temperature=0, logprobs=1), None),
-            SamplingRow(SamplingParams(temperature=0), None)]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logprobs=1), None),
+        SamplingRow(SamplingParams(temperature=0), None),
+    ]
     out = _sampler()(logits, rows)
     assert out.token_ids == [1, 0]
     assert out.logprobs[1] is None
@@ -40,6 +42,8 @@ def test_top_p_keeps_only_the_nucleus() -> None:
 def test_seeded_rows_are_reproducible() -> None:
     logits = torch.zeros(1, 1000)
     p = SamplingParams(temperature=1.0, seed=42)
-    a = [_sampler()(logits, [SamplingRow(p, torch.Generator().manual_seed(42))]).token_ids[0]
-         for _ in range(3)]
+    a = [
+        _sampler()(logits, [SamplingRow(p, torch.Generator().manual_seed(42))]).token_ids[0]
+        for _ in range(3)
+    ]
     assert len(set(a)) == 1

@@ -34,12 +34,17 @@ class CachedRequestData:
     """Requests the workers already hold: the blocks appended to them this step.
 
     The worker appends its own sampled tokens to its copy of the request, so no token ids
-    travel here.
+    travel here. ``num_computed_tokens`` may go *down* between steps: after a failed KV load
+    (policy ``recompute``) the scheduler rewinds a request to its last valid token, and
+    ``num_output_tokens`` is then smaller than the worker's count because the token sampled
+    on top of the bad KV was discarded; the worker must drop its extra output tokens.
     """
 
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Output tokens the scheduler holds for each request (same order as req_ids).
+    num_output_tokens: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

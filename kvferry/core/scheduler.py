@@ -48,8 +48,6 @@ from kvferry.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-_NO_KV_OUTPUT = KVConnectorOutput()
-
 
 class Scheduler:
     """Decides, step by step, which requests compute how many tokens, and owns their KV blocks.
@@ -220,24 +218,20 @@ class Scheduler:
             self._admit_from(self.waiting, plan)
 
     def _admit_from(self, queue: deque[Request], plan: StepPlan) -> bool:
-        """Admit from the head of ``queue`` while budget and seats last; False once a request
-        is BLOCKED (nothing behind it, in any queue, may overtake it)."""
-        kept: list[Request] = []  # skipped or blocked: they keep their place at the front
-        loading: list[Request] = []
-        blocked = False
-        while queue and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
-            request = queue.popleft()
+        """Admit from ``queue`` in order while budget and seats last; False once a request is
+        BLOCKED (nothing behind it, in any queue, may overtake it). Skipped requests keep
+        their place (and stay visible to the async-load reservation)."""
+        for request in list(queue):
+            if plan.token_budget <= 0 or len(self.running) >= self.max_num_running_reqs:
+                break
             outcome = self._try_admit(request, plan)
+            if outcome is Admission.BLOCKED:
+                return False
+            if outcome is not Admission.SKIPPED:
+                queue.remove(request)
             if outcome is Admission.LOADING:
-                loading.append(request)
-            elif outcome is not Admission.SCHEDULED:
-                kept.append(request)
-                if outcome is Admission.BLOCKED:
-                    blocked = True
-                    break
-        queue.extendleft(reversed(kept))
-        self.kv_holding.extend(loading)
-        return not blocked
+                self.kv_holding.append(request)
+        return True
 
     def _try_admit(self, request: Request, plan: StepPlan) -> Admission:
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -258,7 +252,9 @@ class Scheduler:
         if hit.load_async:
             # Nothing computed until the load is in; keep blocks free for requests already
             # holding KV so that loads can never fill the pool with requests that cannot run.
-            start, num_new, num_reserved = num_computed, 0, self._num_reserved_blocks()
+            holders = (r for r in chain(self.kv_holding, self.running) if r is not request)
+            num_reserved = self._kv.num_reserved_blocks(holders)
+            start, num_new = num_computed, 0
         else:
             # A full hit still recomputes the last token: its forward gives the logits.
             start = min(num_computed, request.num_tokens - 1)
@@ -297,15 +293,6 @@ class Scheduler:
         plan.schedule_new(request, num_new)
         return Admission.SCHEDULED
 
-    def _num_reserved_blocks(self) -> int:
-        """Blocks that requests already holding KV (loading, loaded, running) still need to
-        cover their known tokens: an async load may only use blocks beyond these."""
-        kv = self.kv_cache_manager
-        return sum(
-            max(0, -(-r.num_tokens // self.block_size) - kv.get_num_held_blocks(r.request_id))
-            for r in chain(self.kv_holding, self.running)
-        )
-
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance now rather than after the forward, so the next schedule() (and a later
         # pipelined one) already sees these tokens as taken.
@@ -324,7 +311,7 @@ class Scheduler:
         Order: KV load failures (so no token sampled on bad KV is emitted), sampled tokens,
         then the connector output (``update_connector_output``, finished loads and sends).
         """
-        kv_out = model_runner_output.kv_connector_output or _NO_KV_OUTPUT
+        kv_out = model_runner_output.kv_connector_output
         void, outputs = self._handle_load_failures(scheduler_output, kv_out)
         outputs += self._process_sampled(scheduler_output, model_runner_output, void)
         # KV connector: completions; blocks of finished requests may be released now.
@@ -333,11 +320,11 @@ class Scheduler:
         return outputs
 
     def _handle_load_failures(
-        self, so: SchedulerOutput, kv_out: KVConnectorOutput
+        self, so: SchedulerOutput, kv_out: KVConnectorOutput | None
     ) -> tuple[set[str], list[EngineCoreOutput]]:
         """Apply ``kv_load_failure_policy`` to requests whose loaded KV is bad. Returns their
         ids (tokens sampled for them this step are void) and outputs of requests failed here."""
-        if not kv_out.failed_recving and not kv_out.invalid_block_ids:
+        if kv_out is None or not (kv_out.failed_recving or kv_out.invalid_block_ids):
             return set(), []
         loading = (r for r in self.kv_holding if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
         void, to_fail = self._kv.apply_load_failures(

@@ -71,8 +71,11 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata=_help("tensor-parallel workers"))
     log_stats: bool = field(default=False, metadata=_help("log engine stats periodically"))
     kv_transfer_config: str | dict[str, Any] | KVTransferConfig | None = field(
-        default=None, metadata=_help("KV connector settings as JSON, e.g. "
-                                     '\'{"kv_connector":"ExampleConnector","kv_role":"kv_both"}\'')
+        default=None,
+        metadata=_help(
+            "KV connector settings as JSON, e.g. "
+            '\'{"kv_connector":"ExampleConnector","kv_role":"kv_both"}\''
+        ),
     )
 
     @staticmethod

@@ -1,9 +1,9 @@
 """LLMEngine: one step is schedule -> execute -> update.
 
-    scheduler_output = scheduler.schedule()
-    runner_output    = executor.execute_model(scheduler_output)
-    core_outputs     = scheduler.update_from_output(scheduler_output, runner_output)
-    user_outputs     = output_processor.process(core_outputs)
+scheduler_output = scheduler.schedule()
+runner_output    = executor.execute_model(scheduler_output)
+core_outputs     = scheduler.update_from_output(scheduler_output, runner_output)
+user_outputs     = output_processor.process(core_outputs)
 """
 
 from __future__ import annotations
@@ -38,23 +38,27 @@ class LLMEngine:
         mc = config.model_config
         assert mc.tokenizer is not None
         self.tokenizer = Tokenizer(mc.tokenizer)
-        self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.arch.eos_token_ids))
+        self.eos_token_ids = tuple(
+            dict.fromkeys(self.tokenizer.eos_token_ids + mc.arch.eos_token_ids)
+        )
         self.executor = UniProcExecutor(config)
         self.kv_cache_config = self.executor.kv_cache_config
         kvt = config.kv_transfer_config
         connector = None
         if kvt is not None:
-            connector = maybe_wrap(KVConnectorFactory.create_connector(
-                config, KVConnectorRole.SCHEDULER, self.kv_cache_config
-            ))
+            connector = maybe_wrap(
+                KVConnectorFactory.create_connector(
+                    config, KVConnectorRole.SCHEDULER, self.kv_cache_config
+                )
+            )
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             self.kv_cache_config,
             max_model_len=mc.max_len,
             log_stats=config.log_stats,
-            **({"connector": connector, "kv_load_failure_policy": kvt.kv_load_failure_policy}
-               if kvt else {}),
+            connector=connector,
+            kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "fail",
         )
         # Connector stats since the engine started (the log line shows each interval's).
         self.kv_connector_stats = KVConnectorStats()
@@ -105,7 +109,9 @@ class LLMEngine:
                 f"max_model_len={max_len} to leave room for output"
             )
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ConfigError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+            raise ConfigError(
+                f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}"
+            )
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.scheduler.get_request(request_id) is not None:
             raise ConfigError(f"request id {request_id!r} is already in use")
@@ -128,18 +134,38 @@ class LLMEngine:
             self.output_processor.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a step still has work: requests to run, finished ids to flush to the
+        workers, or blocks a KV connector holds for finished requests."""
+        return self.scheduler.has_requests()
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._collect_kv_connector_stats()
         processed = self.output_processor.process(core_outputs)
         if processed.stopped_by_string:
-            self.scheduler.finish_requests(processed.stopped_by_string, RequestStatus.FINISHED_STOPPED)
+            finals = self.scheduler.finish_requests(
+                processed.stopped_by_string, RequestStatus.FINISHED_STOPPED
+            )
+            # The connector's kv_transfer_params of a request stopped by a stop string come
+            # from finish_requests; attach them to the final output already built.
+            params = {f.request_id: f.kv_transfer_params for f in finals}
+            for out in processed.outputs:
+                if params.get(out.request_id):
+                    out.kv_transfer_params = params[out.request_id]
+        for out in processed.outputs:
+            if out.finished and out.metrics is not None and not self.kv_connector_stats.is_empty():
+                out.metrics.kv_connector = self.kv_connector_stats.reduce()
         if self.config.log_stats:
             self._maybe_log(sum(len(o.new_token_ids) for o in core_outputs))
         return processed.outputs
+
+    def _collect_kv_connector_stats(self) -> None:
+        stats = self.scheduler.take_kv_connector_stats()
+        if stats is not None and not stats.is_empty():
+            self.kv_connector_stats.aggregate(stats)
+            self._interval_kv_stats.aggregate(stats)
 
     def _maybe_log(self, new_tokens: int) -> None:
         self._tokens_since_log += new_tokens
@@ -147,8 +173,10 @@ class LLMEngine:
         elapsed = now - self._last_log
         if elapsed < envs.log_stats_interval_s():
             return
-        stats = self.scheduler.make_stats()
-        logger.info(kv("engine stats", gen_tok_per_s=self._tokens_since_log / elapsed, **vars(stats)))
+        fields = dict(vars(self.scheduler.make_stats() or {}))
+        fields.update({f"kv_{k}": v for k, v in self._interval_kv_stats.reduce().items()})
+        logger.info(kv("engine stats", gen_tok_per_s=self._tokens_since_log / elapsed, **fields))
+        self._interval_kv_stats.reset()
         self._last_log, self._tokens_since_log = now, 0
 
     def shutdown(self) -> None:

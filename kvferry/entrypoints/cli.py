@@ -65,14 +65,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         c = out.outputs[0]
         n_out += len(c.token_ids)
         if args.json:
-            print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": out.prompt,
+                        "text": c.text,
+                        "token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            )
         else:
             print(f"--- prompt: {out.prompt!r}\n    output: {c.text!r}  [{c.finish_reason}]")
     if not args.json:
-        print(f"{len(outputs)} requests, {n_out} output tokens in {elapsed:.2f}s "
-              f"({n_out / max(elapsed, 1e-9):.1f} tok/s); engine start-up "
-              f"{llm.engine.startup_seconds:.2f}s")
+        print(
+            f"{len(outputs)} requests, {n_out} output tokens in {elapsed:.2f}s "
+            f"({n_out / max(elapsed, 1e-9):.1f} tok/s); engine start-up "
+            f"{llm.engine.startup_seconds:.2f}s"
+        )
     return 0
 
 

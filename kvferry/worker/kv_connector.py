@@ -1,11 +1,11 @@
 """The worker's side of each step around the forward pass, for a configured KV connector.
 
-    pre_forward:  handle_preemptions -> bind_connector_metadata -> start_load_kv (sync loads)
-    forward:      attention layers call wait_for_layer_load / save_kv_layer
-    post_forward: start_load_kv (if not yet) -> wait_for_save -> get_finished -> load errors
-                  -> stats -> events -> worker metadata -> clear_connector_metadata
-    no_forward:   the same lifecycle for a step with no tokens, so async transfers keep
-                  reporting while nothing is computed
+pre_forward:  handle_preemptions -> bind_connector_metadata -> start_load_kv (sync loads)
+forward:      attention layers call wait_for_layer_load / save_kv_layer
+post_forward: start_load_kv (if not yet) -> wait_for_save -> get_finished -> load errors
+              -> stats -> events -> worker metadata -> clear_connector_metadata
+no_forward:   the same lifecycle for a step with no tokens, so async transfers keep
+              reporting while nothing is computed
 """
 
 from __future__ import annotations

@@ -81,13 +81,15 @@ class ModelRunner:
                 generator=gen,
             )
         cached = so.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
+        for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            state.num_computed_tokens = num_computed
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:
                 state.block_ids.extend(new_blocks[0])
+            if i < len(cached.num_output_tokens):
+                # A recompute after a failed KV load discards the token sampled on bad KV.
+                del state.token_ids[state.num_prompt_tokens + cached.num_output_tokens[i] :]
 
     def _prepare_batch(self, so: SchedulerOutput) -> StepBatch:
         req_ids = list(so.num_scheduled_tokens)

@@ -48,8 +48,15 @@ class Worker:
         mc = config.model_config
         t0 = time.perf_counter()
         self.model = load_model(mc, self.device)
-        logger.info(kv("model loaded", model=mc.model, dtype=str(mc.torch_dtype).removeprefix("torch."),
-                       device=str(self.device), seconds=time.perf_counter() - t0))
+        logger.info(
+            kv(
+                "model loaded",
+                model=mc.model,
+                dtype=str(mc.torch_dtype).removeprefix("torch."),
+                device=str(self.device),
+                seconds=time.perf_counter() - t0,
+            )
+        )
         arch = mc.arch
         group = KVCacheGroupSpec(
             layer_names=tuple(self.model.layer_names),
@@ -66,9 +73,15 @@ class Worker:
             name: torch.zeros(shape, dtype=group.dtype, device=self.device)
             for name in group.layer_names
         }
-        logger.info(kv("KV cache allocated", blocks=num_blocks, block_size=group.block_size,
-                       tokens=num_blocks * group.block_size,
-                       bytes=_fmt_bytes(num_blocks * self.kv_cache_config.bytes_per_block)))
+        logger.info(
+            kv(
+                "KV cache allocated",
+                blocks=num_blocks,
+                block_size=group.block_size,
+                tokens=num_blocks * group.block_size,
+                bytes=_fmt_bytes(num_blocks * self.kv_cache_config.bytes_per_block),
+            )
+        )
         self.model_runner = ModelRunner(
             self.model, self.kv_caches, group.block_size, self.device, mc.seed
         )

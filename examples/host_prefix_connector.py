@@ -1,0 +1,129 @@
+"""A complete small KV connector: keeps full prompt blocks in host memory, keyed by block hash.
+
+Load it without touching kvferry's code:
+
+    kvferry generate --model PATH --prompt "..." --kv-transfer-config '{
+        "kv_connector": "HostPrefixConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "examples.host_prefix_connector",
+        "kv_connector_extra_config": {"max_blocks": 4096}}'
+
+The scheduler side decides; the worker side copies. They share nothing but the metadata:
+the scheduler remembers which block hashes it asked the worker to store (saves finish inside
+the step, in ``wait_for_save``, so a planned store is a done store by the next step) and plans
+loads of those hashes into freshly allocated engine blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+
+
+@dataclass
+class HostPrefixMetadata(KVConnectorMetadata):
+    # (block hash, engine block id) pairs
+    loads: list[tuple[bytes, int]] = field(default_factory=list)
+    stores: list[tuple[bytes, int]] = field(default_factory=list)
+    evictions: list[bytes] = field(default_factory=list)
+
+
+class HostPrefixConnector(KVConnectorBase):
+    def __init__(self, config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.max_blocks = int(extra.get("max_blocks", 1024))
+        self.block_size = kv_cache_config.block_size
+        # scheduler side: hashes the worker holds, oldest first
+        self.stored: OrderedDict[bytes, None] = OrderedDict()
+        self.plan = HostPrefixMetadata()
+        self.requests: dict[str, Any] = {}
+        self.block_ids: dict[str, list[int]] = {}
+        self.first_hit_block: dict[str, int] = {}
+        # worker side: hash -> {layer: tensor (2, block_size, kv_heads, head_dim)}
+        self.host: dict[bytes, dict[str, torch.Tensor]] = {}
+        self.kv_caches: dict[str, torch.Tensor] = {}
+
+    # -- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        first = num_computed_tokens // self.block_size
+        limit = (request.num_tokens - 1) // self.block_size  # never the last token's block
+        hits = 0
+        for h in request.block_hashes[first:limit]:
+            if h not in self.stored:
+                break
+            hits += 1
+        self.first_hit_block[request.request_id] = first  # same answer if asked again
+        return hits * self.block_size, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.requests[request.request_id] = request
+        if num_external_tokens == 0:
+            return
+        ids = blocks.get_block_ids()[0]
+        first = self.first_hit_block.pop(request.request_id)
+        for idx in range(first, first + num_external_tokens // self.block_size):
+            h = request.block_hashes[idx]
+            self.stored.move_to_end(h)
+            self.plan.loads.append((h, ids[idx]))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            self.block_ids[new.req_id] = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new_blocks is not None and req_id in self.block_ids:
+                self.block_ids[req_id].extend(new_blocks[0])
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            # build_connector_meta runs before the scheduler counts this step's tokens
+            done = min(request.num_computed_tokens + n, request.num_prompt_tokens)
+            for idx in range(done // self.block_size):
+                h = request.block_hashes[idx]
+                if h not in self.stored:
+                    self.stored[h] = None
+                    self.plan.stores.append((h, self.block_ids[req_id][idx]))
+        while len(self.stored) > self.max_blocks:
+            self.plan.evictions.append(self.stored.popitem(last=False)[0])
+        plan, self.plan = self.plan, HostPrefixMetadata()
+        return plan
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self.requests.pop(request.request_id, None)
+        self.block_ids.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HostPrefixMetadata)
+        for h in meta.evictions:
+            self.host.pop(h, None)
+        for h, block_id in meta.loads:
+            for name, cache in self.kv_caches.items():
+                cache[:, block_id].copy_(self.host[h][name])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HostPrefixMetadata)
+        for h, block_id in meta.stores:
+            self.host.setdefault(h, {})[layer_name] = kv_layer[:, block_id].clone()
+
+    def wait_for_save(self) -> None:
+        pass

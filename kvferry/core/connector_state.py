@@ -1,0 +1,390 @@
+"""The scheduler's side of the KV-connector protocol, apart from queue handling.
+
+:class:`ConnectorState` wraps the scheduler-role connector (or None: then every hook is a no-op
+and lookups are local only), so the scheduler calls the same methods either way. Between steps
+it remembers what the protocol leaves open:
+
+* loads reported finished (``finished_recving``) whose request is not promoted yet;
+* finished requests whose blocks the connector still holds, and why: a *delayed free*
+  (``request_finished`` returned True; released by ``finished_sending``) or an *orphaned load*
+  (the request finished while its async load was in flight; the transfer may still write into
+  its blocks, so they are released by ``finished_recving``). Such a request stays in
+  ``Scheduler.requests`` but in no queue;
+* the load-failure policy, and which requests a step's load failures hit;
+* connector stats and KV cache events until the engine takes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.config import KV_LOAD_FAILURE_POLICIES, ConfigError
+from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvferry.core.sched_output import SchedulerOutput
+from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorStats
+from kvferry.kv_transfer.output import KVConnectorOutput
+from kvferry.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Where an admitted waiting request's leading tokens come from.
+
+    ``local_blocks`` (``num_local`` tokens) are adopted from this pool's prefix cache; the next
+    ``num_external`` tokens are loaded by the connector into newly allocated blocks, during this
+    step's forward (sync) or between steps (``load_async``). ``looked_up`` is False for a request
+    that resumes with blocks it already holds (after its async load); it gets no new hit.
+    """
+
+    local_blocks: KVCacheBlocks | None = None
+    num_local: int = 0
+    num_external: int = 0
+    load_async: bool = False
+    looked_up: bool = True
+
+
+RESUMED = PrefixHit(looked_up=False)
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A request whose loaded KV is (partly) bad: only its first ``num_valid_tokens`` tokens
+    can be trusted. ``bad_block_index`` is the first bad block of its table, or None when the
+    connector failed the whole load (``failed_recving``)."""
+
+    num_valid_tokens: int
+    bad_block_index: int | None
+    reason: str
+
+
+@dataclass
+class ConnectorPrefixStats:
+    """External lookups of admitted requests, in tokens (first admissions only)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+
+
+def apply_partial_tail_rule(
+    num_local: int, block_size: int, num_external: int, load_async: bool
+) -> tuple[int, int, bool]:
+    """Combine a local hit that may end inside a block with an external hit counted from the
+    hit's block boundary (the connector is only ever asked about whole blocks).
+
+    Returns ``(num_local, num_external, load_async)`` to use: if the external hit reaches past
+    the partial tail, the tail block is dropped from the local hit and the load covers it;
+    otherwise the external hit adds nothing and is ignored. (kvferry's own prefix cache only
+    reports whole blocks, so the tail is empty there; the rule keeps the connector contract
+    exact for any lookup that does not.)
+    """
+    tail = num_local % block_size
+    if tail == 0:
+        return num_local, num_external, load_async
+    if num_external > tail:
+        return num_local - tail, num_external, load_async
+    return num_local, 0, False
+
+
+class ConnectorState:
+    """The scheduler-role connector plus the bookkeeping around it (see the module doc).
+
+    Contract with the scheduler: :meth:`lookup` only for requests holding no blocks;
+    :meth:`after_alloc` after every successful allocation of a waiting request;
+    :meth:`build_meta` once per ``schedule()``; :meth:`request_finished` exactly once per
+    request, before its blocks are freed (free them only if it returns ``held=False``);
+    :meth:`process_transfers` once per ``update_from_output``, after the step's tokens.
+    """
+
+    def __init__(
+        self,
+        connector: KVConnectorBase | None,
+        kv_cache_manager: KVCacheManager,
+        kv_load_failure_policy: str = "fail",
+    ) -> None:
+        if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ConfigError(
+                f"kv_load_failure_policy {kv_load_failure_policy!r} is not one of "
+                f"{', '.join(KV_LOAD_FAILURE_POLICIES)}"
+            )
+        self.connector = connector
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.recompute_failures = kv_load_failure_policy == "recompute"
+        self.prefix_stats = ConnectorPrefixStats()
+        self._loads_done: set[str] = set()
+        self._awaiting_send: set[str] = set()
+        self._awaiting_recv: set[str] = set()
+        self._stats: KVConnectorStats | None = None
+        self._events: list[Any] = []
+
+    # -- admission ------------------------------------------------------------------------
+
+    def lookup(self, request: Request) -> PrefixHit | None:
+        """Local prefix hit, then the connector's external hit on top of it; None when the
+        connector cannot answer yet (skip the request this step and ask again). Raises
+        RuntimeError when the connector offers more tokens than the request has."""
+        blocks, num_local = self.kv.get_computed_blocks(request)
+        if self.connector is None:
+            return PrefixHit(blocks, num_local)
+        aligned = num_local - num_local % self.block_size
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, aligned)
+        if num_external is None:
+            return None
+        if num_external < 0 or aligned + num_external > request.num_tokens:
+            raise RuntimeError(
+                f"{type(self.connector).__name__}.get_num_new_matched_tokens offered "
+                f"{num_external} tokens for {request.request_id!r} after {aligned} local ones, "
+                f"but the request has only {request.num_tokens}"
+            )
+        num_kept, num_external, load_async = apply_partial_tail_rule(
+            num_local, self.block_size, num_external, load_async and num_external > 0
+        )
+        if num_kept < num_local:
+            blocks = KVCacheBlocks((list(blocks.blocks[0][: num_kept // self.block_size]),))
+        return PrefixHit(blocks, num_kept, num_external, load_async)
+
+    def after_alloc(self, request: Request, hit: PrefixHit) -> None:
+        """``update_state_after_alloc`` for a just-allocated waiting request (whole table)."""
+        if self.connector is None:
+            return
+        self.connector.update_state_after_alloc(
+            request, self.kv.get_blocks(request.request_id), hit.num_external
+        )
+        if not hit.looked_up:
+            return
+        if request.num_preemptions > 0:
+            self.prefix_stats.preempted_requests += 1
+        else:
+            self.prefix_stats.requests += 1
+            self.prefix_stats.queries += request.num_tokens - hit.num_local
+            self.prefix_stats.hits += hit.num_external
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> Any | None:
+        if self.connector is None:
+            return None
+        return self.connector.build_connector_meta(scheduler_output)
+
+    def num_reserved_blocks(self, holders: Iterable[Request]) -> int:
+        """Blocks an async load must leave free: what ``holders`` (requests that hold KV and
+        must run to release it: loading, loaded, running) still need to cover their known
+        tokens. Without this, loads could fill the pool with requests none of which can run
+        (each waiting for a block another holds), and nothing would ever free a block."""
+        bs, kv = self.block_size, self.kv
+        return sum(
+            max(0, -(-r.num_tokens // bs) - kv.get_num_held_blocks(r.request_id)) for r in holders
+        )
+
+    def is_load_finished(self, req_id: str) -> bool:
+        return req_id in self._loads_done
+
+    def promote_loaded(self, request: Request) -> None:
+        """Make a WAITING_FOR_REMOTE_KVS request whose load finished admissible again.
+
+        Its valid loaded prefix enters the prefix cache only now: while the load was in flight
+        other requests must not hit blocks whose KV had not arrived. A full hit is rewound by
+        one token, whose forward yields the logits to sample from. With nothing valid left
+        (a failed load under ``recompute``) its blocks go back and it starts over with a
+        fresh lookup.
+        """
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._loads_done.discard(request.request_id)
+        if request.num_computed_tokens == 0:
+            self.kv.free(request)
+        else:
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        request.status = (
+            RequestStatus.PREEMPTED if request.num_preemptions > 0 else RequestStatus.WAITING
+        )
+
+    # -- load failures --------------------------------------------------------------------
+
+    def find_failed_loads(
+        self,
+        kv_out: KVConnectorOutput,
+        requests: Mapping[str, Request],
+        candidates: Iterable[Request],
+        num_scheduled_tokens: Mapping[str, int],
+    ) -> dict[str, LoadFailure]:
+        """Requests hit by this step's ``failed_recving`` / ``invalid_block_ids``.
+
+        ``candidates`` are the requests whose blocks may hold loaded KV: those waiting for an
+        async load and the running ones (sync loads). Only blocks covering tokens computed
+        *before* this step count; tokens of this step are recomputed anyway. Every request
+        that depends on a bad block is truncated to it, including requests sharing it through
+        a same-step prefix hit (both then rewrite the same content; simpler than electing one).
+        Bad blocks lose their prefix-cache hashes at once, whoever holds them.
+        """
+        failures: dict[str, LoadFailure] = {}
+        for req_id in sorted(kv_out.failed_recving):
+            request = requests.get(req_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                failures[req_id] = LoadFailure(0, None, "the connector failed the whole load")
+        invalid = self._checked_block_ids(kv_out.invalid_block_ids)
+        if not invalid:
+            return failures
+        self.kv.evict_blocks(invalid)
+        bs = self.block_size
+        for request in candidates:
+            req_id = request.request_id
+            if req_id in failures:
+                continue
+            computed_before = request.num_computed_tokens - num_scheduled_tokens.get(req_id, 0)
+            table = self.kv.get_block_ids(req_id)[0][: -(-computed_before // bs)]
+            bad = next((i for i, block_id in enumerate(table) if block_id in invalid), None)
+            if bad is not None:
+                reason = f"block {table[bad]} (tokens {bad * bs}..{(bad + 1) * bs - 1}) is invalid"
+                failures[req_id] = LoadFailure(bad * bs, bad, reason)
+        return failures
+
+    def apply_load_failures(
+        self,
+        kv_out: KVConnectorOutput,
+        requests: Mapping[str, Request],
+        candidates: Iterable[Request],
+        num_scheduled_tokens: Mapping[str, int],
+    ) -> tuple[set[str], list[Request]]:
+        """Find the requests hit by this step's load failures (:meth:`find_failed_loads`) and
+        rewind each to its valid prefix (0 if the whole load failed), with its bad blocks out
+        of the prefix cache. Returns all their ids, and under policy ``fail`` the requests the
+        caller must finish with FINISHED_ERROR (``request.error`` says why); under
+        ``recompute`` they compute the rest themselves.
+        """
+        failures = self.find_failed_loads(kv_out, requests, candidates, num_scheduled_tokens)
+        to_fail: list[Request] = []
+        for req_id, failure in failures.items():
+            request = requests[req_id]
+            if failure.bad_block_index is not None:
+                self.kv.uncache_blocks(request, failure.num_valid_tokens)
+            request.num_computed_tokens = failure.num_valid_tokens
+            logger.warning("KV load failed for %s: %s", request, failure.reason)
+            if not self.recompute_failures:
+                request.error = (
+                    f"KV cache load failed: {failure.reason} (kv_load_failure_policy='fail')"
+                )
+                to_fail.append(request)
+        return set(failures), to_fail
+
+    def _checked_block_ids(self, block_ids: set[int]) -> set[int]:
+        valid = {b for b in block_ids if 0 <= b < self.kv.num_blocks}
+        if len(valid) != len(block_ids):
+            logger.warning("ignoring invalid_block_ids outside the pool: %s", block_ids - valid)
+        return valid
+
+    # -- finishing and transfer completions -----------------------------------------------
+
+    def request_finished(
+        self, request: Request, load_in_flight: bool = False
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Tell the connector the request ended; returns ``(held, kv_transfer_params)``.
+
+        ``held``: the blocks must stay allocated (and the request known) until the connector
+        reports the transfer done: a delayed free, or ``load_in_flight`` (an async load that
+        may still write into them).
+        """
+        req_id = request.request_id
+        self._loads_done.discard(req_id)
+        delay_free, params = False, None
+        if self.connector is not None:
+            block_ids = self.kv.get_block_ids(req_id)[0]
+            delay_free, params = self.connector.request_finished(request, block_ids)
+        if delay_free:
+            self._awaiting_send.add(req_id)
+        if load_in_flight:
+            self._awaiting_recv.add(req_id)
+        return delay_free or load_in_flight, params
+
+    def process_transfers(
+        self, kv_out: KVConnectorOutput | None, requests: Mapping[str, Request]
+    ) -> list[str]:
+        """Hand the step's connector output (None: the workers sent none) to the connector,
+        collect stats and events, then apply the completions.
+
+        A finished load of a waiting request is remembered (promoted at the next schedule);
+        one of a finished request releases its orphaned blocks. Returns the finished requests
+        whose blocks are released now: the caller frees them and forgets the requests.
+        """
+        self._collect_stats_and_events(kv_out)
+        if kv_out is None:
+            return []
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_out)
+        release: list[str] = []
+        for req_id in sorted(kv_out.finished_recving or ()):
+            request = requests.get(req_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._loads_done.add(req_id)
+            elif req_id in self._awaiting_recv:
+                self._awaiting_recv.discard(req_id)
+                if req_id not in self._awaiting_send:
+                    release.append(req_id)
+            else:
+                logger.debug("finished_recving for %r, which awaits no load; ignored", req_id)
+        for req_id in sorted(kv_out.finished_sending or ()):
+            if req_id not in self._awaiting_send:
+                logger.warning("finished_sending for %r, which has no delayed free", req_id)
+                continue
+            self._awaiting_send.discard(req_id)
+            if req_id not in self._awaiting_recv:
+                release.append(req_id)
+        return release
+
+    def _collect_stats_and_events(self, kv_out: KVConnectorOutput | None) -> None:
+        for stats in (
+            kv_out.kv_connector_stats if kv_out is not None else None,
+            self.connector.get_kv_connector_stats() if self.connector is not None else None,
+        ):
+            if stats is None:
+                continue
+            self._stats = stats if self._stats is None else self._stats.aggregate(stats)
+        # Workers' events arrive as one list (the executor's aggregator concatenates them).
+        worker_events = kv_out.kv_cache_events if kv_out is not None else None
+        if isinstance(worker_events, list):
+            self._events.extend(worker_events)
+        elif worker_events is not None:
+            self._events.append(worker_events)
+        if self.connector is not None:
+            self._events.extend(self.connector.take_events())
+
+    # -- queries and upkeep ---------------------------------------------------------------
+
+    def held_request_ids(self) -> set[str]:
+        """Finished requests whose blocks the connector still holds."""
+        return self._awaiting_send | self._awaiting_recv
+
+    def loads_done_ids(self) -> set[str]:
+        return set(self._loads_done)
+
+    def has_pending_work(self) -> bool:
+        """Work that only more steps complete: held blocks, or the connector's own queue."""
+        if self._awaiting_send or self._awaiting_recv:
+            return True
+        return self.connector is not None and self.connector.has_pending_work()
+
+    def has_pending_block_frees(self) -> bool:
+        return self.connector is not None and self.connector.has_pending_block_frees()
+
+    def take_stats(self) -> KVConnectorStats | None:
+        stats, self._stats = self._stats, None
+        return stats
+
+    def take_events(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> bool:
+        """Reset the connector's own cache; True on success or when it has none."""
+        if self.connector is None:
+            return True
+        return self.connector.reset_cache() is not False
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

@@ -1,0 +1,264 @@
+"""ExampleConnector: KV of prompt prefixes in a shared folder, one safetensors file per layer.
+
+A stored prefix lives in ``<path>/<layout>/<key>/`` where ``key`` is the SHA-256 of exactly
+the token ids it holds (int64, little endian) and ``layout`` fingerprints the model's KV shape
+and dtype, so two models never read each other's files. Each folder holds ``<layer>.safetensors``
+(one tensor ``kv`` of shape ``(2, tokens, kv_heads, head_dim)``) and ``meta.json``, written last
+through an atomic rename: a folder without it is never offered.
+
+Lookups are synchronous: the longest stored block-aligned prefix (below the last prompt token)
+is loaded in ``start_load_kv`` before the forward. A request stores its prompt's full blocks
+once its prefill has computed them. A file that is missing or does not match is reported as a
+load error, so the engine's ``kv_load_failure_policy`` applies.
+
+Extra config: ``shared_storage_path`` (default ``/tmp/kvferry-example``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvferry.kv_transfer.options import parse_options
+from kvferry.logger import init_logger
+
+if TYPE_CHECKING:
+    from kvferry.config import EngineConfig
+    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.core.kv_cache_manager import KVCacheBlocks
+    from kvferry.core.sched_output import SchedulerOutput
+    from kvferry.model.forward_context import ForwardContext
+    from kvferry.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ExampleOptions:
+    shared_storage_path: str = "/tmp/kvferry-example"
+
+
+@dataclass
+class PrefixJob:
+    """Load or store tokens ``[start, num_tokens)`` of the stored prefix ``key`` (which holds
+    the request's first ``num_tokens`` tokens) in the request's blocks ``block_ids``."""
+
+    req_id: str
+    key: str
+    num_tokens: int
+    block_ids: list[int]
+    start: int = 0
+
+
+@dataclass
+class ExampleConnectorMetadata(KVConnectorMetadata):
+    loads: list[PrefixJob] = field(default_factory=list)
+    stores: list[PrefixJob] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    request: Request
+    block_ids: list[int]
+    store_len: int
+    stored: bool = False
+
+
+def prefix_keys(token_ids: list[int], block_size: int, limit: int) -> dict[int, str]:
+    """SHA-256 key of every block-aligned prefix of ``token_ids`` up to ``limit`` tokens."""
+    h = hashlib.sha256()
+    keys: dict[int, str] = {}
+    for end in range(block_size, limit + 1, block_size):
+        chunk = torch.tensor(token_ids[end - block_size : end], dtype=torch.int64)
+        h.update(chunk.numpy().astype("<i8").tobytes())
+        keys[end] = h.copy().hexdigest()
+    return keys
+
+
+class ExampleConnector(KVConnectorBase):
+    # Extra-config keys a subclass consumes itself (not ExampleConnector options).
+    subclass_options: tuple[str, ...] = ()
+
+    def __init__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        opts = parse_options(
+            ExampleOptions,
+            self._kv_transfer_config.kv_connector_extra_config,
+            type(self).__name__,
+            ignore=self.subclass_options,
+        )
+        group = kv_cache_config.groups[0]
+        self.block_size = group.block_size
+        layout = f"{group.num_kv_heads}x{group.head_dim}-{str(group.dtype).removeprefix('torch.')}"
+        layout += f"-{len(group.layer_names)}l"
+        self.root = Path(opts.shared_storage_path) / layout
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: list[PrefixJob] = []
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, Path] = {}  # store key -> temp folder being written
+        self._load_errors: set[int] = set()
+
+    # ---------------------------------------------------------------- scheduler side
+    def _complete(self, key: str) -> bool:
+        return (self.root / key / "meta.json").is_file()
+
+    def _lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, str | None]:
+        limit = (request.num_tokens - 1) // self.block_size * self.block_size
+        if limit <= num_computed_tokens:
+            return 0, None
+        keys = prefix_keys(request.all_token_ids, self.block_size, limit)
+        for n in sorted(keys, reverse=True):
+            if n <= num_computed_tokens:
+                break
+            if self._complete(keys[n]):
+                return n, keys[n]
+        return 0, None
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        n, _ = self._lookup(request, num_computed_tokens)
+        return max(0, n - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        store_len = request.num_prompt_tokens // self.block_size * self.block_size
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = _ReqState(request, [], store_len)
+            self._reqs[request.request_id] = state
+        if num_external_tokens > 0:
+            # The longest stored prefix does not depend on the local hit, so the lookup that
+            # granted these tokens finds the same key again.
+            n, key = self._lookup(request, 0)
+            if key is None or n < num_external_tokens:
+                raise RuntimeError(
+                    "ExampleConnector: stored prefix vanished between lookup and alloc"
+                )
+            block_ids = blocks.get_block_ids()[0][: n // self.block_size]
+            job = PrefixJob(request.request_id, key, n, block_ids, start=n - num_external_tokens)
+            self._loads.append(job)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = ExampleConnectorMetadata(loads=self._loads)
+        self._loads = []
+        progress: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                progress.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self._reqs.get(req_id)
+            if state is not None:
+                if new_blocks is not None:
+                    state.block_ids.extend(new_blocks[0])
+                progress.append((req_id, computed))
+        for req_id, computed in progress:
+            state = self._reqs[req_id]
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if state.stored or state.store_len == 0 or done < state.store_len:
+                continue
+            state.stored = True
+            tokens = state.request.all_token_ids[: state.store_len]
+            key = prefix_keys(tokens, self.block_size, state.store_len)[state.store_len]
+            if not self._complete(key):
+                blocks = state.block_ids[: state.store_len // self.block_size]
+                meta.stores.append(PrefixJob(req_id, key, state.store_len, blocks))
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+
+    def _slots(self, job: PrefixJob, device: torch.device) -> torch.Tensor:
+        blocks = torch.tensor(job.block_ids, dtype=torch.long, device=device)
+        offs = torch.arange(self.block_size, device=device)
+        return (blocks[:, None] * self.block_size + offs[None, :]).reshape(-1)[: job.num_tokens]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ExampleConnectorMetadata)
+        for job in meta.loads:
+            try:
+                self._load(job)
+            except (OSError, SafetensorError, KeyError, ValueError, RuntimeError) as e:
+                logger.warning("ExampleConnector: load of %s failed: %s", job.key[:12], e)
+                self._load_errors.update(job.block_ids[job.start // self.block_size :])
+
+    def _load(self, job: PrefixJob) -> None:
+        folder = self.root / job.key
+        info = json.loads((folder / "meta.json").read_text())
+        if info.get("num_tokens") != job.num_tokens:
+            raise ValueError(
+                f"stored prefix has {info.get('num_tokens')} tokens, expected {job.num_tokens}"
+            )
+        for name, cache in self._kv_caches.items():
+            kv = load_file(str(folder / f"{name}.safetensors"))["kv"]
+            expected = (2, job.num_tokens, *cache.shape[3:])
+            if tuple(kv.shape) != expected or kv.dtype != cache.dtype:
+                raise ValueError(
+                    f"{name}: stored {tuple(kv.shape)} {kv.dtype}, expected {expected}"
+                )
+            flat = cache.view(2, -1, *cache.shape[3:])
+            slots = self._slots(job, cache.device)[job.start :]
+            flat[:, slots] = kv[:, job.start :].to(cache.device)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ExampleConnectorMetadata)
+        for job in meta.stores:
+            tmp = self._staged.get(job.key)
+            if tmp is None:
+                tmp = self.root / f".tmp-{job.key}-{uuid.uuid4().hex[:8]}"
+                tmp.mkdir(parents=True, exist_ok=True)
+                self._staged[job.key] = tmp
+            flat = kv_layer.view(2, -1, *kv_layer.shape[3:])
+            kv = flat[:, self._slots(job, kv_layer.device)].to("cpu").contiguous()
+            save_file({"kv": kv}, str(tmp / f"{layer_name}.safetensors"))
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, ExampleConnectorMetadata):
+            return
+        for job in meta.stores:
+            tmp = self._staged.pop(job.key, None)
+            if tmp is None:
+                continue
+            (tmp / "meta.json").write_text(json.dumps({"num_tokens": job.num_tokens}))
+            try:
+                os.rename(tmp, self.root / job.key)
+            except OSError:  # another engine stored the same prefix first
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

@@ -1,0 +1,309 @@
+"""MultiConnector: several connectors behind one. The first child with a hit loads a request;
+every child saves.
+
+Extra config: ``connectors``: a list of KV transfer configs, one per child (their
+``engine_id`` defaults to the parent's). When several children ask to keep a finished
+request's blocks, the request is reported finished_sending once, after the last of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvferry.config import ConfigError, KVTransferConfig
+from kvferry.kv_transfer.base import (
+    CopyBlocksOp,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorStats,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+    supports_hma,
+)
+from kvferry.kv_transfer.factory import KVConnectorFactory
+
+if TYPE_CHECKING:
+    from kvferry.config import EngineConfig
+    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.core.kv_cache_manager import KVCacheBlocks
+    from kvferry.core.sched_output import SchedulerOutput
+    from kvferry.kv_transfer.output import KVConnectorOutput
+    from kvferry.model.forward_context import ForwardContext
+    from kvferry.request import Request
+
+
+@dataclass
+class MultiKVConnectorMetadata(KVConnectorMetadata):
+    metadata: tuple[KVConnectorMetadata, ...]
+    # req_id -> how many finished_sending reports to swallow before the last one.
+    extra_async_saves: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class MultiKVConnectorWorkerMetadata(KVConnectorWorkerMetadata):
+    metadata: tuple[KVConnectorWorkerMetadata | None, ...]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, MultiKVConnectorWorkerMetadata)
+        merged = []
+        for mine, theirs in zip(self.metadata, other.metadata, strict=True):
+            if mine is None or theirs is None:
+                merged.append(mine if theirs is None else theirs)
+            else:
+                merged.append(mine.aggregate(theirs))
+        return MultiKVConnectorWorkerMetadata(tuple(merged))
+
+
+def _child_configs(config: EngineConfig) -> list[EngineConfig]:
+    kvt = config.kv_transfer_config
+    assert kvt is not None
+    children = kvt.kv_connector_extra_config.get("connectors")
+    if not isinstance(children, list) or not children:
+        raise ConfigError(
+            "MultiConnector needs kv_connector_extra_config.connectors: a non-empty list"
+        )
+    extra = sorted(set(kvt.kv_connector_extra_config) - {"connectors"})
+    if extra:
+        raise ConfigError(
+            f"MultiConnector: unknown option(s) {extra}; valid options are ['connectors']"
+        )
+    out = []
+    for i, child in enumerate(children):
+        if not isinstance(child, dict):
+            raise ConfigError(f"MultiConnector: connectors[{i}] must be a JSON object")
+        data = {
+            "engine_id": kvt.engine_id,
+            "kv_role": kvt.kv_role,
+            "kv_load_failure_policy": kvt.kv_load_failure_policy,
+            **child,
+        }
+        child_kvt = KVTransferConfig.from_dict(data)
+        if child_kvt.kv_connector == "MultiConnector":
+            raise ConfigError("MultiConnector cannot contain another MultiConnector")
+        out.append(dataclasses.replace(config, kv_transfer_config=child_kvt))
+    return out
+
+
+class MultiConnector(KVConnectorBase, SupportsHMA):
+    def __init__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self.children: list[KVConnectorBase] = [
+            KVConnectorFactory.create_connector(c, role, kv_cache_config)
+            for c in _child_configs(config)
+        ]
+        self._names = [f"{i}.{type(c).__name__}" for i, c in enumerate(self.children)]
+        self._chosen: dict[str, int] = {}
+        self._extra_async_saves: dict[str, int] = {}
+        self._swallow_sending: dict[str, int] = {}
+
+    @classmethod
+    def supports_hma_config(cls, kvt: KVTransferConfig) -> bool:
+        children = kvt.kv_connector_extra_config.get("connectors") or []
+        return all(
+            supports_hma(
+                KVConnectorFactory.get_connector_class(
+                    KVTransferConfig.from_dict({"kv_role": kvt.kv_role, **c})
+                )
+            )
+            for c in children
+        )
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        answers = []
+        for child in self.children:
+            count, is_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if count is None:
+                return None, False
+            answers.append((count, is_async))
+        for i, (count, is_async) in enumerate(answers):
+            if count > 0:
+                self._chosen[request.request_id] = i
+                return count, is_async
+        self._chosen.pop(request.request_id, None)
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        chosen = self._chosen.pop(request.request_id, None)
+        for i, child in enumerate(self.children):
+            child.update_state_after_alloc(
+                request, blocks, num_external_tokens if i == chosen else 0
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = MultiKVConnectorMetadata(
+            metadata=tuple(c.build_connector_meta(scheduler_output) for c in self.children),
+            extra_async_saves=self._extra_async_saves,
+        )
+        self._extra_async_saves = {}
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        try:
+            for i, child in enumerate(self.children):
+                if isinstance(meta, MultiKVConnectorWorkerMetadata):
+                    connector_output.kv_connector_worker_meta = meta.metadata[i]
+                child.update_connector_output(connector_output)
+        finally:
+            connector_output.kv_connector_worker_meta = meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        results = (c.request_finished(request, block_ids) for c in self.children)
+        return self._merge_finished(results, request.request_id)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        results = (
+            c.request_finished_all_groups(request, block_ids)
+            if isinstance(c, SupportsHMA)
+            else c.request_finished(request, block_ids[0])
+            for c in self.children
+        )
+        return self._merge_finished(results, request.request_id)
+
+    def _merge_finished(
+        self, results: Iterable[tuple[bool, dict[str, Any] | None]], req_id: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delays = 0
+        merged: dict[str, Any] = {}
+        for delay, params in results:
+            delays += int(delay)
+            for key, value in (params or {}).items():
+                if key in merged:
+                    raise RuntimeError(
+                        f"MultiConnector: two children returned kv_transfer_params[{key!r}]"
+                    )
+                merged[key] = value
+        if delays > 1:
+            self._extra_async_saves[req_id] = delays - 1
+        return delays > 0, merged or None
+
+    def take_events(self) -> Iterable[Any]:
+        for child in self.children:
+            yield from child.take_events()
+
+    def has_pending_work(self) -> bool:
+        return any(c.has_pending_work() for c in self.children)
+
+    def get_finished_count(self) -> int | None:
+        counts = {c.get_finished_count() for c in self.children}
+        if len(counts) > 1:
+            raise ConfigError(f"MultiConnector children disagree on the finished count: {counts}")
+        return counts.pop()
+
+    def reset_cache(self) -> bool | None:
+        results = [c.reset_cache() for c in self.children]
+        return all(r is not False for r in results)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for child in self.children:
+            child.register_kv_caches(kv_caches)
+
+    def set_host_xfer_buffer_ops(self, copy_op: CopyBlocksOp) -> None:
+        for child in self.children:
+            child.set_host_xfer_buffer_ops(copy_op)
+
+    def _child_meta(self, metadata: KVConnectorMetadata) -> MultiKVConnectorMetadata:
+        if not isinstance(metadata, MultiKVConnectorMetadata):
+            raise TypeError("MultiConnector expects MultiKVConnectorMetadata")
+        return metadata
+
+    def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
+        meta = self._child_meta(metadata)
+        for child, m in zip(self.children, meta.metadata, strict=True):
+            child.handle_preemptions(m)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        meta = self._child_meta(metadata)
+        super().bind_connector_metadata(meta)
+        for req_id, n in meta.extra_async_saves.items():
+            self._swallow_sending[req_id] = self._swallow_sending.get(req_id, 0) + n
+        for child, m in zip(self.children, meta.metadata, strict=True):
+            child.bind_connector_metadata(m)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        for child in self.children:
+            child.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        for child in self.children:
+            child.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for child in self.children:
+            child.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        for child in self.children:
+            child.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        for child in self.children:
+            child.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for child in self.children:
+            s, r = child.get_finished(finished_req_ids)
+            recving |= r or set()
+            for req_id in s or ():
+                left = self._swallow_sending.get(req_id, 0)
+                if left > 0:
+                    self._swallow_sending[req_id] = left - 1
+                else:
+                    self._swallow_sending.pop(req_id, None)
+                    sending.add(req_id)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set().union(*(c.get_block_ids_with_load_errors() for c in self.children))
+
+    def get_failed_recving(self) -> set[str]:
+        return set().union(*(c.get_failed_recving() for c in self.children))
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data: dict[str, Any] = {}
+        for name, child in zip(self._names, self.children, strict=True):
+            stats = child.get_kv_connector_stats()
+            if stats is not None:
+                data.update({f"{name}.{k}": v for k, v in stats.data.items()})
+        return KVConnectorStats(data) if data else None
+
+    def get_kv_connector_kv_cache_events(self) -> Any | None:
+        events = [c.get_kv_connector_kv_cache_events() for c in self.children]
+        flat = [e for ev in events if ev for e in ev]
+        return flat or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        metas = tuple(c.build_connector_worker_meta() for c in self.children)
+        return MultiKVConnectorWorkerMetadata(metas) if any(m is not None for m in metas) else None
+
+    def get_handshake_metadata(self) -> Any | None:
+        return next(
+            (m for c in self.children if (m := c.get_handshake_metadata()) is not None), None
+        )
+
+    def shutdown(self) -> None:
+        for child in self.children:
+            child.shutdown()

@@ -1,0 +1,96 @@
+"""KVConnectorFactory: connector name -> class, loaded lazily, one instance per role.
+
+Importing this module imports no connector: the registry holds (module, class) names, and a
+module is imported only when its connector is created.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import TYPE_CHECKING
+
+from kvferry.config import ConfigError
+from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorRole, supports_hma
+
+if TYPE_CHECKING:
+    from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.core.kv_cache_config import KVCacheConfig
+
+
+class KVConnectorFactory:
+    _registry: dict[str, tuple[str, str]] = {}
+
+    @classmethod
+    def register_connector(cls, name: str, module_path: str, class_name: str) -> None:
+        if name in cls._registry:
+            raise ValueError(f"KV connector {name!r} is already registered")
+        cls._registry[name] = (module_path, class_name)
+
+    @classmethod
+    def registered_names(cls) -> list[str]:
+        return sorted(cls._registry)
+
+    @classmethod
+    def get_connector_class(cls, kvt: KVTransferConfig) -> type[KVConnectorBase]:
+        name = kvt.kv_connector
+        if name is None:
+            raise ConfigError("kv_connector is not set")
+        if kvt.kv_connector_module_path:
+            module_path, class_name = kvt.kv_connector_module_path, name
+        elif name in cls._registry:
+            module_path, class_name = cls._registry[name]
+        else:
+            raise ConfigError(
+                f"unknown KV connector {name!r}; built-in connectors are {cls.registered_names()}, "
+                f"or set kv_connector_module_path to load your own"
+            )
+        try:
+            module = importlib.import_module(module_path)
+        except ImportError as e:
+            raise ConfigError(f"cannot import KV connector module {module_path!r}: {e}") from None
+        connector_cls = getattr(module, class_name, None)
+        if connector_cls is None:
+            raise ConfigError(f"module {module_path!r} has no class {class_name!r}")
+        if not (inspect.isclass(connector_cls) and issubclass(connector_cls, KVConnectorBase)):
+            raise ConfigError(
+                f"{module_path}.{class_name} is not a KV connector (it must subclass "
+                f"kvferry.kv_transfer.base.KVConnectorBase)"
+            )
+        params = inspect.signature(connector_cls.__init__).parameters
+        if "kv_cache_config" not in params:
+            raise ConfigError(
+                f"{module_path}.{class_name}.__init__ must take (config, role, kv_cache_config)"
+            )
+        return connector_cls
+
+    @classmethod
+    def create_connector(
+        cls, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> KVConnectorBase:
+        kvt = config.kv_transfer_config
+        if kvt is None:
+            raise ConfigError("creating a KV connector needs a kv_transfer_config")
+        connector_cls = cls.get_connector_class(kvt)
+        if len(kv_cache_config.groups) > 1 and not _supports_hma(connector_cls, kvt):
+            raise ConfigError(
+                f"{connector_cls.__name__} does not implement SupportsHMA, but this engine has "
+                f"{len(kv_cache_config.groups)} KV cache groups"
+            )
+        return connector_cls(config, role, kv_cache_config)
+
+
+def _supports_hma(connector_cls: type[KVConnectorBase], kvt: KVTransferConfig) -> bool:
+    support_check = getattr(connector_cls, "supports_hma_config", None)
+    if support_check is not None:
+        return bool(support_check(kvt))
+    return supports_hma(connector_cls)
+
+
+_CONNECTORS = "kvferry.kv_transfer.connectors"
+for _name, _module in [
+    ("ExampleConnector", f"{_CONNECTORS}.example_connector"),
+    ("DecodeBenchConnector", f"{_CONNECTORS}.decode_bench_connector"),
+    ("MultiConnector", f"{_CONNECTORS}.multi_connector"),
+]:
+    KVConnectorFactory.register_connector(_name, _module, _name)
