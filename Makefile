@@ -45,5 +45,10 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# Benchmarks (run on a quiet machine; results go to .bench/results, summaries to docs/)
+bench: $(STAMP)
+	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/connector_bench.py
+
 clean:
 	rm -rf $(VENV) models .pytest_cache .mypy_cache .ruff_cache

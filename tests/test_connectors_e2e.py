@@ -310,3 +310,13 @@ def test_trace_renders_a_real_run(model_dir, tmp_path):
     assert out.startswith("sequenceDiagram")
     assert "S->>C: get_num_new_matched_tokens" in out
     assert "A->>W: wait_for_layer_load / save_kv_layer" in out
+
+
+def test_example_connector_hits_block_aligned_prompts(model_dir, tmp_path):
+    prompt = list(range(10, 10 + 64))  # exactly four blocks
+    kv = _example(tmp_path / "kv")
+    ref, _ = _run(_llm(model_dir), [prompt])
+    _run(_llm(model_dir, kv), [prompt])
+    tokens, outs = _run(_llm(model_dir, kv), [prompt])
+    assert tokens == ref
+    assert outs[0].metrics.num_external_cached_tokens == 48

@@ -7,8 +7,9 @@ and dtype, so two models never read each other's files. Each folder holds ``<lay
 through an atomic rename: a folder without it is never offered.
 
 Lookups are synchronous: the longest stored block-aligned prefix (below the last prompt token)
-is loaded in ``start_load_kv`` before the forward. A request stores its prompt's full blocks
-once its prefill has computed them. A file that is missing or does not match is reported as a
+is loaded in ``start_load_kv`` before the forward. A request stores the longest block-aligned
+prefix that excludes its last prompt token (what a lookup of the same prompt can use) once
+its prefill has computed it. A file that is missing or does not match is reported as a
 load error, so the engine's ``kv_load_failure_policy`` applies.
 
 Extra config: ``shared_storage_path`` (default ``/tmp/kvferry-example``).
@@ -136,7 +137,9 @@ class ExampleConnector(KVConnectorBase):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        store_len = request.num_prompt_tokens // self.block_size * self.block_size
+        # The longest prefix a later lookup of this very prompt may use (it never offers the
+        # last token), so a block-aligned prompt stores one block less than it computed.
+        store_len = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
         state = self._reqs.get(request.request_id)
         if state is None:
             state = _ReqState(request, [], store_len)
