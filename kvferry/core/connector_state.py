@@ -123,6 +123,8 @@ class ConnectorState:
         self._awaiting_recv: set[str] = set()
         self._stats: KVConnectorStats | None = None
         self._events: list[Any] = []
+        if connector is not None:
+            connector.bind_kv_cache_manager(kv_cache_manager)
 
     # -- admission ------------------------------------------------------------------------
 

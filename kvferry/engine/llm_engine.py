@@ -18,7 +18,7 @@ from kvferry.core.block_hash import get_request_block_hasher
 from kvferry.core.scheduler import Scheduler
 from kvferry.engine.arg_utils import EngineArgs
 from kvferry.engine.output_processor import OutputProcessor
-from kvferry.kv_transfer.base import KVConnectorRole, KVConnectorStats
+from kvferry.kv_transfer.base import KVConnectorRole, KVConnectorStats, KVConnectorStatsTotals
 from kvferry.kv_transfer.factory import KVConnectorFactory
 from kvferry.kv_transfer.trace import maybe_wrap
 from kvferry.logger import init_logger, kv
@@ -60,9 +60,11 @@ class LLMEngine:
             connector=connector,
             kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "fail",
         )
-        # Connector stats since the engine started (the log line shows each interval's).
-        self.kv_connector_stats = KVConnectorStats()
-        self._interval_kv_stats = KVConnectorStats()
+        # Connector stats: totals since start (in request metrics), totals of the current log
+        # interval, and the raw stats of the last step (for exporters such as Prometheus).
+        self.kv_connector_totals = KVConnectorStatsTotals()
+        self._interval_kv_stats = KVConnectorStatsTotals()
+        self.last_step_kv_connector_stats: KVConnectorStats | None = None
         self._block_hasher = get_request_block_hasher(config.cache_config.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -155,17 +157,20 @@ class LLMEngine:
                 if params.get(out.request_id):
                     out.kv_transfer_params = params[out.request_id]
         for out in processed.outputs:
-            if out.finished and out.metrics is not None and not self.kv_connector_stats.is_empty():
-                out.metrics.kv_connector = self.kv_connector_stats.reduce()
+            if out.finished and out.metrics is not None and not self.kv_connector_totals.is_empty():
+                out.metrics.kv_connector = self.kv_connector_totals.as_dict()
         if self.config.log_stats:
             self._maybe_log(sum(len(o.new_token_ids) for o in core_outputs))
         return processed.outputs
 
     def _collect_kv_connector_stats(self) -> None:
         stats = self.scheduler.take_kv_connector_stats()
-        if stats is not None and not stats.is_empty():
-            self.kv_connector_stats.aggregate(stats)
-            self._interval_kv_stats.aggregate(stats)
+        if stats is not None and stats.is_empty():
+            stats = None
+        self.last_step_kv_connector_stats = stats
+        if stats is not None:
+            self.kv_connector_totals.add(stats)
+            self._interval_kv_stats.add(stats)
 
     def _maybe_log(self, new_tokens: int) -> None:
         self._tokens_since_log += new_tokens
@@ -174,7 +179,7 @@ class LLMEngine:
         if elapsed < envs.log_stats_interval_s():
             return
         fields = dict(vars(self.scheduler.make_stats() or {}))
-        fields.update({f"kv_{k}": v for k, v in self._interval_kv_stats.reduce().items()})
+        fields.update({f"kv_{k}": v for k, v in self._interval_kv_stats.as_dict().items()})
         logger.info(kv("engine stats", gen_tok_per_s=self._tokens_since_log / elapsed, **fields))
         self._interval_kv_stats.reset()
         self._last_log, self._tokens_since_log = now, 0

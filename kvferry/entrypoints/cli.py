@@ -1,4 +1,4 @@
-"""The ``kvferry`` command line: ``generate``, ``make-tiny-model`` and ``trace``.
+"""The ``kvferry`` command line: generate, serve, proxy, demo, make-tiny-model and trace.
 
 Bad input (flags, model folders, prompts) ends with one ``error: ...`` line and exit code 2,
 never a traceback.
@@ -156,10 +156,65 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_http_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=default_port, help="TCP port (0: any free port)")
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (info shows one access line per request)",
+    )
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from kvferry.engine.arg_utils import EngineArgs
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    EngineArgs.add_cli_args(p, positional_model=True)
+    _add_http_args(p, 8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: MODEL)"
+    )
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvferry.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
+def _add_proxy(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("proxy", help="prefill/decode disaggregation router")
+    p.add_argument("--prefill", nargs="+", required=True, help="prefill instance URL(s)")
+    p.add_argument("--decode", nargs="+", required=True, help="decode instance URL(s)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
+    _add_http_args(p, 8100)
+    p.set_defaults(func=_cmd_proxy)
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from kvferry.entrypoints.proxy import run_proxy
+
+    return run_proxy(args)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from kvferry.entrypoints.demo import add_demo_args
+
+    p = sub.add_parser("demo", help="demos; 'pd': prefill/decode disaggregation on localhost")
+    add_demo_args(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
+    _add_proxy(sub)
+    _add_demo(sub)
     _add_make_tiny_model(sub)
     _add_trace(sub)
     return parser

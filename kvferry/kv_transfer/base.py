@@ -36,7 +36,7 @@ from kvferry.logger import init_logger
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig
     from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks
+    from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from kvferry.core.sched_output import SchedulerOutput
     from kvferry.kv_transfer.output import KVConnectorOutput
     from kvferry.model.forward_context import ForwardContext
@@ -113,6 +113,40 @@ class KVConnectorStats:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.data)
+
+
+@dataclass
+class KVConnectorStatsTotals:
+    """Running totals of many ``KVConnectorStats`` in constant memory: counters are summed,
+    sample lists are kept as sum and count (so long-running engines do not grow)."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, stats: KVConnectorStats) -> None:
+        for key, value in stats.data.items():
+            if isinstance(value, list):
+                self.sums[key] = self.sums.get(key, 0.0) + float(sum(value))
+                self.counts[key] = self.counts.get(key, 0) + len(value)
+            elif isinstance(value, (int, float)):
+                self.sums[key] = self.sums.get(key, 0) + value
+
+    def as_dict(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, total in self.sums.items():
+            if key in self.counts:
+                n = self.counts[key]
+                out[f"{key}_avg"] = total / n if n else 0.0
+                out[f"{key}_count"] = n
+            else:
+                out[key] = total
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.sums
+
+    def reset(self) -> None:
+        self.sums, self.counts = {}, {}
 
 
 class KVConnectorBase(ABC):
@@ -229,6 +263,11 @@ class KVConnectorBase(ABC):
         return False
 
     # --------------------------------------------------------------- scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Called once when the scheduler is built, with its KV cache manager. Read it, never
+        change it (e.g. an offloader looks at the free queue to find blocks about to be
+        evicted)."""
+
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: protocol (request bodies), serving (handlers), api_server."""
