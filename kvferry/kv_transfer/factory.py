@@ -92,5 +92,6 @@ for _name, _module in [
     ("ExampleConnector", f"{_CONNECTORS}.example_connector"),
     ("DecodeBenchConnector", f"{_CONNECTORS}.decode_bench_connector"),
     ("MultiConnector", f"{_CONNECTORS}.multi_connector"),
+    ("NixlConnector", f"{_CONNECTORS}.nixl.connector"),
 ]:
     KVConnectorFactory.register_connector(_name, _module, _name)

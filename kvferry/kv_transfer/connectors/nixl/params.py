@@ -1,0 +1,160 @@
+"""The ``kv_transfer_params`` of the NIXL connector: which side of a P/D pair a request is
+on, and the checked fields a decode instance reads the prefilled KV with.
+
+A request's params are untrusted input (they come from a client or a proxy). Nothing here
+trusts a type, a range or a length: :func:`request_side` and :func:`parse_remote` raise
+:class:`ParamsError` with one clear sentence instead.
+
+* ``{"do_remote_decode": true}`` on the **prefill** instance: compute the prompt, keep its
+  blocks, and return (from ``request_finished``) the params below for the decode instance.
+* ``{"do_remote_prefill": true, "remote_engine_id", "remote_request_id", "remote_host",
+  "remote_port", "remote_block_ids", "remote_num_tokens", "tp_size", ...}`` on the **decode**
+  instance: read those blocks from the prefill instance instead of computing the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from enum import Enum
+from typing import Annotated, Any
+
+import msgspec
+
+# Bounds shared with the side-channel messages (handshake.py).
+MAX_ID_LEN = 256
+MAX_BLOCKS = 1 << 18
+MAX_TOKENS = 1 << 24
+HOST_PATTERN = r"^[A-Za-z0-9.:\[\]_-]+$"
+
+EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255, pattern=HOST_PATTERN)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+BlockIds = Annotated[list[BlockId], msgspec.Meta(min_length=1, max_length=MAX_BLOCKS)]
+NumTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+
+
+class ParamsError(ValueError):
+    """Malformed or inconsistent ``kv_transfer_params``; the message is shown as is."""
+
+
+class Side(Enum):
+    PREFILL = "prefill"  # do_remote_decode: this instance prefills, a decode instance reads
+    DECODE = "decode"  # do_remote_prefill: this instance reads the prompt's KV, then decodes
+
+
+class RemoteParams(msgspec.Struct, frozen=True):
+    """What a decode request needs to read its prompt's KV from the prefill instance.
+    Unknown keys are ignored (proxies add their own), known ones must have the right type."""
+
+    remote_engine_id: EngineId
+    remote_request_id: RequestId
+    remote_host: Host
+    remote_port: Port
+    remote_block_ids: BlockIds
+    remote_num_tokens: NumTokens
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    remote_prefill_cached_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key)
+    if value is None or value is False:
+        return False
+    if value is True:
+        return True
+    raise ParamsError(f"kv_transfer_params[{key!r}] must be true or false, got {value!r}")
+
+
+def request_side(params: Any) -> Side | None:
+    """The side a request is on by its params (None: no P/D transfer at all).
+
+    Raises ParamsError for params that are not a JSON object, flags that are not booleans,
+    and both flags set."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise ParamsError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
+    decode = _flag(params, "do_remote_prefill")
+    prefill = _flag(params, "do_remote_decode")
+    if decode and prefill:
+        raise ParamsError(
+            "kv_transfer_params sets both do_remote_prefill and do_remote_decode; "
+            "a request is either prefilled here or read from a prefill instance"
+        )
+    if decode:
+        return Side.DECODE
+    return Side.PREFILL if prefill else None
+
+
+def parse_remote(params: dict[str, Any], block_size: int) -> RemoteParams:
+    """Type- and range-check the fields a decode request reads with.
+
+    ``remote_block_ids`` must hold exactly the blocks of ``remote_num_tokens`` tokens (no
+    duplicates); only ``tp_size == 1`` is supported."""
+    try:
+        remote = msgspec.convert(params, RemoteParams, strict=True)
+    except msgspec.ValidationError as e:
+        raise ParamsError(f"invalid kv_transfer_params: {e}") from None
+    need = -(-remote.remote_num_tokens // block_size)
+    if len(remote.remote_block_ids) != need:
+        raise ParamsError(
+            f"invalid kv_transfer_params: remote_block_ids has {len(remote.remote_block_ids)} "
+            f"blocks but remote_num_tokens={remote.remote_num_tokens} needs {need} blocks of "
+            f"{block_size} tokens"
+        )
+    if len(set(remote.remote_block_ids)) != need:
+        raise ParamsError("invalid kv_transfer_params: remote_block_ids has duplicates")
+    if remote.tp_size != 1:
+        raise ParamsError(
+            f"kv_transfer_params has tp_size={remote.tp_size}; kvferry reads only from prefill "
+            f"instances with tp_size=1"
+        )
+    return remote
+
+
+def check_prompt(remote: RemoteParams, num_prompt_tokens: int) -> None:
+    """The decode request's prompt must be the one the prefill instance computed."""
+    if remote.remote_num_tokens != num_prompt_tokens:
+        raise ParamsError(
+            f"kv_transfer_params names a prefill of {remote.remote_num_tokens} tokens but this "
+            f"request's prompt has {num_prompt_tokens}"
+        )
+
+
+def token_digest(token_ids: list[int], num_tokens: int) -> str:
+    """A digest of the first ``num_tokens`` token ids, identical on every machine: the
+    prefill instance only hands its blocks to a reader whose prompt has the same digest."""
+    h = hashlib.sha256()
+    chunk = 4096
+    for start in range(0, num_tokens, chunk):
+        ids = token_ids[start : min(num_tokens, start + chunk)]
+        h.update(struct.pack(f"<{len(ids)}q", *ids))
+    return h.hexdigest()[:32]
+
+
+def decode_params(
+    *,
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    block_ids: list[int],
+    num_tokens: int,
+    cached_tokens: int,
+) -> dict[str, Any]:
+    """The params a prefill instance returns for the decode instance (vLLM's field names)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_block_ids": list(block_ids),
+        "remote_num_tokens": num_tokens,
+        "tp_size": 1,
+        "remote_prefill_cached_tokens": cached_tokens,
+    }

@@ -1,0 +1,298 @@
+"""The decode side's reads: claim, READ, completion, failure.
+
+Per request the side-channel client (:mod:`.peers`, background threads) handshakes with the
+prefill engine and claims the request's blocks; the engine thread then loads the peer's NIXL
+metadata (once per agent) and posts a non-blocking READ whose completion notification tells
+the prefill side it may free the blocks. Each step :meth:`Reader.poll` advances this; whatever
+fails (handshake, claim, transfer error, timeout, peer gone) ends the read as *failed*, so the
+scheduler applies ``kv_load_failure_policy``. A failed read's claim is given back so the
+prefill instance frees its blocks at once rather than at lease expiry.
+
+Reads in flight are heartbeated from a timer thread (independent of the engine thread), and a
+completed READ is trusted only if the prefill side provably still held the blocks: its last
+answer (claim or heartbeat) promised the hold past the moment the READ was seen complete, or
+it reported the hold ended *because this read completed*. Otherwise the lease may have run
+out mid-read and the blocks been reused, so the read counts as failed rather than decode on
+someone else's KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kvferry.kv_transfer.connectors.nixl.agent import KVLayout, NixlTransport, RemotePeer
+from kvferry.kv_transfer.connectors.nixl.handshake import (
+    AgentInfo,
+    Codec,
+    HeartbeatRequest,
+    ReadDone,
+    Renewed,
+)
+from kvferry.kv_transfer.connectors.nixl.metadata import NixlOptions, RecvSpec, RemoteRef
+from kvferry.kv_transfer.connectors.nixl.peers import PeerClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Read:
+    spec: RecvSpec
+    prep: Future[tuple[AgentInfo, float]]
+    handle: Any = None
+    peer: RemotePeer | None = None
+    posted: float = 0.0
+    # The prefill side holds the blocks at least until then (our clock); guarded by _lock.
+    held_until: float = 0.0
+    freed_after_read: bool = False
+
+
+class Reader:
+    def __init__(
+        self,
+        transport: NixlTransport,
+        local: KVLayout,
+        codec: Codec,
+        ctx: zmq.Context,  # type: ignore[type-arg]
+        engine_id: str,
+        opts: NixlOptions,
+        stats: dict[str, float],
+    ) -> None:
+        self.transport = transport
+        self.local = local
+        self.codec = codec
+        self.ctx = ctx
+        self.engine_id = engine_id
+        self.opts = opts
+        self.stats = stats
+        self.peers = PeerClient(ctx, codec, engine_id, transport.name, local, opts)
+        self._reads: dict[str, _Read] = {}
+        self._peers: dict[str, RemotePeer] = {}  # engine id -> loaded NIXL peer
+        self._retired: list[RemotePeer] = []
+        self._stuck: list[Any] = []  # handles NIXL would not release yet
+        self._draining: dict[str, tuple[_Read, str, float]] = {}  # failed, READ not cancelled
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
+        self._lock = threading.Lock()  # _reads membership and the held_until fields
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, name="nixl-heartbeat", daemon=True)
+        self._beater.start()
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def start(self, spec: RecvSpec) -> None:
+        if spec.error is not None or spec.remote is None:
+            self._fail_now(spec.req_id, spec.error or "no remote named")
+            return
+        rd = _Read(spec, self.peers.prepare(spec))
+        with self._lock:
+            self._reads[spec.req_id] = rd
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for req_id, rd in list(self._reads.items()):
+            if rd.handle is None:
+                if not rd.prep.done():
+                    continue
+                if (exc := rd.prep.exception()) is not None:
+                    self._finish(req_id, rd, str(exc))
+                    continue
+            try:
+                if rd.handle is None:
+                    info, held_until = rd.prep.result()
+                    with self._lock:
+                        rd.held_until = max(rd.held_until, held_until)
+                    self._post(rd, info)
+                state = self.transport.state(rd.handle)
+            except Exception as e:
+                why = f"NIXL transfer error (is the prefill instance gone?): {e!r}"
+                self._finish(req_id, rd, why, transport_error=True)
+                continue
+            if state == "DONE":
+                self._finish(req_id, rd, self._untrusted(rd, time.monotonic()))
+            elif state != "PROC":
+                self._finish(req_id, rd, "NIXL reports the READ failed", transport_error=True)
+            elif now - rd.posted > self.opts.transfer_timeout:
+                self._finish(req_id, rd, f"READ still running after {self.opts.transfer_timeout}s")
+        self._drain(now)
+        self._drop_retired()
+
+    def _untrusted(self, rd: _Read, now: float) -> str | None:
+        with self._lock:
+            if rd.freed_after_read or now < rd.held_until:
+                return None
+        return (
+            "the READ completed after the prefill side's last confirmed hold on the blocks "
+            "ended (its lease may have run out mid-read); the data is not used"
+        )
+
+    def take(self) -> tuple[set[str], set[str]]:
+        """Reads ended since the last call: (all of them, the failed ones)."""
+        done, failed = self._done, self._failed
+        self._done, self._failed = set(), set()
+        return done, failed
+
+    def peer(self, engine_id: str) -> RemotePeer | None:
+        """The loaded NIXL peer of a prefill engine, once a read from it was posted."""
+        return self._peers.get(engine_id)
+
+    def busy(self) -> bool:
+        return bool(self._reads or self._draining)
+
+    def heartbeat(self, refs: list[RemoteRef]) -> None:
+        self.peers.heartbeat(refs)
+
+    def release(self, ref: RemoteRef, block_ids: list[int]) -> None:
+        self.peers.release(ref, block_ids)
+
+    def shutdown(self) -> None:
+        """Cancel what has not started, give back granted claims, wait for the side-channel
+        calls in flight (each bounded by handshake_timeout), unload the peers."""
+        self._stop.set()
+        for rd in self._reads.values():
+            rd.prep.cancel()
+        for req_id, rd in list(self._reads.items()):
+            self._finish(req_id, rd, "engine shut down")
+        self.peers.shutdown()
+        self._beater.join(timeout=self.opts.handshake_timeout + 1)
+        for peer in [*self._peers.values(), *self._retired]:
+            self.transport.remove_peer(peer)
+        self._peers.clear()
+        self._retired.clear()
+
+    def _post(self, rd: _Read, info: AgentInfo) -> None:
+        spec, remote = rd.spec, rd.spec.remote
+        assert remote is not None
+        peer = self._peers.get(remote.engine_id)
+        if peer is None or peer.name != info.agent_name:
+            if peer is not None:
+                self._retired.append(peer)  # the prefill instance restarted
+            peer = self.transport.add_peer(info)
+            self._peers[remote.engine_id] = peer
+        rd.peer = peer
+        notif = self.codec.encode_notif(
+            ReadDone(remote.engine_id, remote.request_id, self.engine_id)
+        )
+        rd.posted = time.monotonic()
+        remote_ids = spec.remote_block_ids[spec.first_block :]
+        rd.handle, _ = self.transport.read(peer, spec.local_block_ids, remote_ids, notif)
+
+    def _finish(
+        self, req_id: str, rd: _Read, error: str | None, transport_error: bool = False
+    ) -> None:
+        with self._lock:
+            del self._reads[req_id]
+        remote = rd.spec.remote
+        assert remote is not None
+        if transport_error:
+            self._forget(remote.engine_id)
+        if rd.handle is not None and not self.transport.release(rd.handle):
+            if error is not None:
+                # NIXL could not cancel the READ, which may still write into the request's
+                # blocks: report it (and so let the blocks go) only once the handle is
+                # released, or after another transfer_timeout at the latest.
+                deadline = time.monotonic() + self.opts.transfer_timeout
+                self._draining[req_id] = (rd, error, deadline)
+                return
+            self._stuck.append(rd.handle)
+        self._report(req_id, rd, error, released=True)
+
+    def _drain(self, now: float) -> None:
+        for req_id, (rd, error, deadline) in list(self._draining.items()):
+            released = self.transport.release(rd.handle)
+            if released or now >= deadline:
+                del self._draining[req_id]
+                if not released:
+                    logger.error("NIXL: READ of %s cannot be cancelled; freeing anyway", req_id)
+                    self._stuck.append(rd.handle)
+                self._report(req_id, rd, error, released=released)
+        self._stuck = [h for h in self._stuck if not self.transport.release(h)]
+
+    def _report(self, req_id: str, rd: _Read, error: str | None, released: bool) -> None:
+        remote = rd.spec.remote
+        assert remote is not None
+        self._done.add(req_id)
+        if error is None:
+            nbytes = 2 * len(rd.spec.local_block_ids) * self.local.block_bytes
+            self.stats["reads"] += 1
+            self.stats["read_bytes"] += nbytes * self.local.num_layers
+            self.stats["read_seconds"] += time.monotonic() - rd.posted
+            return
+        self._failed.add(req_id)
+        self.stats["failed_reads"] += 1
+        logger.warning(
+            "NIXL: loading the KV of request %s from engine %s at %s:%d failed: %s "
+            "(kv_load_failure_policy applies)",
+            req_id,
+            remote.engine_id,
+            remote.host,
+            remote.port,
+            error,
+        )
+        prep_ok = rd.prep.done() and not rd.prep.cancelled() and rd.prep.exception() is None
+        if prep_ok and released:
+            # Claimed but not read: give the blocks back now instead of at lease expiry.
+            self.release(remote, rd.spec.remote_block_ids)
+
+    def _fail_now(self, req_id: str, reason: str) -> None:
+        logger.warning("NIXL: request %s cannot load remote KV: %s", req_id, reason)
+        self.stats["failed_reads"] += 1
+        self._done.add(req_id)
+        self._failed.add(req_id)
+
+    def _forget(self, engine_id: str) -> None:
+        """After a transport failure: handshake afresh next time, unload the peer when idle."""
+        self.peers.forget(engine_id)
+        peer = self._peers.pop(engine_id, None)
+        if peer is not None:
+            self._retired.append(peer)
+
+    def _drop_retired(self) -> None:
+        reads = [*self._reads.values(), *(d[0] for d in self._draining.values())]
+        in_use = {id(r.peer) for r in reads if r.handle is not None}
+        keep = []
+        for peer in self._retired:
+            if id(peer) in in_use:
+                keep.append(peer)
+            else:
+                self.transport.remove_peer(peer)
+        self._retired = keep
+
+    # -- background threads ----------------------------------------------------------------
+
+    def _beat(self) -> None:
+        """Heartbeat the reads in flight, and record how long each is confirmed held."""
+        period = self.opts.heartbeat_s
+        while not self._stop.wait(period):
+            groups: dict[tuple[str, str, int], dict[str, _Read]] = {}
+            with self._lock:
+                for rd in self._reads.values():
+                    ref = rd.spec.remote
+                    if ref is not None and rd.prep.done():
+                        key = (ref.engine_id, ref.host, ref.port)
+                        groups.setdefault(key, {})[ref.request_id] = rd
+            for (eid, host, port), reads in groups.items():
+                sent = time.monotonic()
+                try:
+                    reply = self.peers.call(
+                        host, port, HeartbeatRequest(eid, list(reads), self.engine_id), period
+                    )
+                except Exception as e:
+                    logger.info("NIXL: heartbeat to %s:%d failed: %s", host, port, e)
+                    continue
+                if not isinstance(reply, Renewed):
+                    continue
+                with self._lock:
+                    for req_id, left in reply.held.items():
+                        if req_id in reads:
+                            rd = reads[req_id]
+                            rd.held_until = max(rd.held_until, sent + left)
+                    for req_id in reply.read:
+                        if req_id in reads:
+                            reads[req_id].freed_after_read = True

@@ -1,0 +1,238 @@
+"""The scheduler side of the NixlConnector: plans reads and holds, touches no tensor.
+
+Decode side (``do_remote_prefill``): the whole prompt beyond the local prefix hit is an
+asynchronous external hit; after allocation the remote blocks are mapped onto the newly
+allocated local ones, the request's params are switched to ``do_remote_prefill: false`` (one
+transfer per request, also after preemption), and the read goes to the workers. Requests
+waiting for admission get heartbeats so the prefill side keeps their blocks. A decode request
+that ends before it was admitted releases the prefill side's blocks.
+
+Prefill side (``do_remote_decode``): a request that finished normally keeps its prompt's
+blocks (delayed free) and returns the params a decode instance reads them with; requests that
+were aborted or failed free theirs at once. The side-channel address in those params is the
+configured one, or (port 0) the one the workers report.
+
+Params are untrusted: invalid ones make the request's load fail with a clear message (so the
+scheduler applies ``kv_load_failure_policy``) and nothing is held anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvferry.kv_transfer.connectors.nixl.metadata import (
+    NixlConnectorMetadata,
+    NixlHandshakeMetadata,
+    NixlOptions,
+    NixlWorkerMeta,
+    RecvSpec,
+    ReleaseSpec,
+    RemoteRef,
+    SendSpec,
+    side_channel_address,
+)
+from kvferry.kv_transfer.connectors.nixl.params import (
+    ParamsError,
+    RemoteParams,
+    Side,
+    check_prompt,
+    decode_params,
+    parse_remote,
+    request_side,
+    token_digest,
+)
+from kvferry.request import RequestStatus
+
+if TYPE_CHECKING:
+    from kvferry.config import EngineConfig
+    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.core.kv_cache_manager import KVCacheBlocks
+    from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
+    from kvferry.kv_transfer.output import KVConnectorOutput
+    from kvferry.request import Request
+
+logger = logging.getLogger(__name__)
+
+_HOLD_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def _ref(remote: RemoteParams) -> RemoteRef:
+    return RemoteRef(
+        remote.remote_engine_id, remote.remote_host, remote.remote_port, remote.remote_request_id
+    )
+
+
+class NixlConnectorScheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        opts: NixlOptions,
+        engine_id: str,
+    ) -> None:
+        self.opts = opts
+        self.engine_id = engine_id
+        self.block_size = kv_cache_config.block_size
+        host, port = side_channel_address(config, opts, rank=0)
+        self.address: tuple[str, int] | None = (host, port) if port else None
+        self._remote: dict[str, RemoteParams | ParamsError] = {}
+        self._waiting: dict[str, RemoteRef] = {}  # looked up, not admitted: heartbeat them
+        self._consumed: set[str] = set()  # decode requests whose one transfer was planned
+        self._recv: list[RecvSpec] = []
+        self._send: list[SendSpec] = []
+        self._expected: list[str] = []
+        self._releases: list[ReleaseSpec] = []
+        self._next_heartbeat = 0.0
+
+    # -- where our side channel is ---------------------------------------------------------
+
+    def set_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        info = metadata.get(0)
+        if isinstance(info, NixlHandshakeMetadata):
+            self.address = (info.host, info.port)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, NixlWorkerMeta) and 0 in meta.addresses:
+            self.address = meta.addresses[0]
+
+    # -- lookups and allocation ------------------------------------------------------------
+
+    def _side(self, request: Request) -> Side | ParamsError | None:
+        try:
+            return request_side(request.kv_transfer_params)
+        except ParamsError as e:
+            return e
+
+    def _parse(self, request: Request, side: Side | ParamsError) -> RemoteParams | ParamsError:
+        """The decode request's checked params (cached; logged once when invalid)."""
+        rid = request.request_id
+        if rid not in self._remote:
+            parsed: RemoteParams | ParamsError
+            if isinstance(side, ParamsError):
+                parsed = side
+            else:
+                try:
+                    parsed = parse_remote(request.kv_transfer_params or {}, self.block_size)
+                    check_prompt(parsed, request.num_prompt_tokens)
+                except ParamsError as e:
+                    parsed = e
+            if isinstance(parsed, ParamsError):
+                logger.warning("NIXL: request %s has unusable kv_transfer_params: %s", rid, parsed)
+            self._remote[rid] = parsed
+        return self._remote[rid]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        side = self._side(request)
+        if side is None or request.request_id in self._consumed:
+            return 0, False
+        if side is Side.PREFILL:
+            # Prefill only once the workers told us the side-channel address we advertise.
+            return (None, False) if self.address is None else (0, False)
+        # Decode side, or params too broken to tell: either way an asynchronous "load" that
+        # reads the prompt or fails with the reason (kv_load_failure_policy decides then).
+        remote = self._parse(request, side)
+        if isinstance(remote, RemoteParams):
+            self._waiting[request.request_id] = _ref(remote)
+        count = request.num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        side = self._side(request)
+        if side is Side.PREFILL:
+            self._expected.append(rid)
+            return
+        if side is None or num_external_tokens == 0 or rid in self._consumed:
+            return
+        self._consumed.add(rid)
+        self._waiting.pop(rid, None)
+        params = request.kv_transfer_params
+        if isinstance(params, dict):
+            # One transfer per request: a re-admission (preemption) computes locally.
+            request.kv_transfer_params = {**params, "do_remote_prefill": False}
+        remote = self._parse(request, side)
+        if isinstance(remote, ParamsError):
+            self._recv.append(RecvSpec(rid, None, [], [], 0, "", error=str(remote)))
+            return
+        first = (request.num_tokens - num_external_tokens) // self.block_size
+        table = blocks.get_block_ids()[0]
+        local = table[first : len(remote.remote_block_ids)]
+        n = remote.remote_num_tokens
+        self._recv.append(
+            RecvSpec(
+                req_id=rid,
+                remote=_ref(remote),
+                remote_block_ids=list(remote.remote_block_ids),
+                local_block_ids=list(local),
+                num_tokens=n,
+                token_digest=token_digest(request.prompt_token_ids, n),
+                first_block=first,
+            )
+        )
+
+    def build_connector_meta(self) -> NixlConnectorMetadata:
+        meta = NixlConnectorMetadata(self._recv, self._send, self._expected, self._releases)
+        self._recv, self._send, self._expected, self._releases = [], [], [], []
+        now = time.monotonic()
+        if self._waiting and now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.opts.heartbeat_s
+            meta.heartbeats = list(self._waiting.values())
+        return meta
+
+    # -- finishing -------------------------------------------------------------------------
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._waiting.pop(rid, None)
+        self._remote.pop(rid, None)
+        consumed = rid in self._consumed
+        self._consumed.discard(rid)
+        side = self._side(request)
+        if side is Side.DECODE and not consumed:
+            self._release_unread(request)
+        if side is not Side.PREFILL or request.status not in _HOLD_STATUSES:
+            return False, None
+        if self.address is None:
+            logger.error("NIXL: %s finished before the side-channel address was known", rid)
+            return False, None
+        n = request.num_prompt_tokens
+        nb = -(-n // self.block_size)
+        if len(block_ids) < nb or request.num_computed_tokens < n:
+            logger.warning("NIXL: %s finished without the KV of its whole prompt", rid)
+            return False, None
+        held = list(block_ids[:nb])
+        self._send.append(SendSpec(rid, held, n, token_digest(request.prompt_token_ids, n)))
+        stats = request.prefill_stats
+        host, port = self.address
+        return True, decode_params(
+            engine_id=self.engine_id,
+            request_id=rid,
+            host=host,
+            port=port,
+            block_ids=held,
+            num_tokens=n,
+            cached_tokens=stats.num_cached_tokens if stats is not None else 0,
+        )
+
+    def _release_unread(self, request: Request) -> None:
+        """A decode request that ended before it was admitted (also the server's release
+        path): tell the prefill instance it may free the blocks now. Only the params' own
+        consistency is checked; the prefill side verifies the rest."""
+        try:
+            remote = parse_remote(request.kv_transfer_params or {}, self.block_size)
+        except ParamsError as e:
+            logger.warning("NIXL: cannot release the blocks of %s: %s", request.request_id, e)
+            return
+        self._releases.append(ReleaseSpec(_ref(remote), list(remote.remote_block_ids)))
+
+    def has_pending_work(self) -> bool:
+        return bool(self._releases)
