@@ -93,5 +93,7 @@ for _name, _module in [
     ("DecodeBenchConnector", f"{_CONNECTORS}.decode_bench_connector"),
     ("MultiConnector", f"{_CONNECTORS}.multi_connector"),
     ("NixlConnector", f"{_CONNECTORS}.nixl.connector"),
+    ("SimpleCPUOffloadConnector", f"{_CONNECTORS}.simple_cpu_offload_connector"),
+    ("OffloadingConnector", f"{_CONNECTORS}.offloading_connector"),
 ]:
     KVConnectorFactory.register_connector(_name, _module, _name)

@@ -1,0 +1,156 @@
+"""Throughput with no prefix reuse: offloading on vs off (the cost of storing everything).
+
+Every prompt is unique, so offloading can only cost: each computed block is copied to the
+host tier (and, with a disk tier, written to a file) while the model keeps computing. The
+engines are built once and run the same prompts in alternation (off, on, off, on, ...) so
+that drift on a shared machine hits every config alike; the best run of each counts.
+
+    .venv/bin/python benchmarks/offload_throughput.py          # full run, writes docs
+    .venv/bin/python benchmarks/offload_throughput.py --quick  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import bar_plot, markdown_table, write_results_json
+from benchmarks.models import model_vocab_size
+from benchmarks.offload_common import (
+    IMG_DIR,
+    RESULTS,
+    SCRATCH,
+    bench_model,
+    drain,
+    make_llm,
+    offload_kv,
+    random_tokens,
+    update_doc,
+)
+from kvferry import SamplingParams
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = bench_model(args.model)
+    vocab = model_vocab_size(model)
+    folder = SCRATCH / "throughput-disk"
+    shutil.rmtree(folder, ignore_errors=True)
+    configs = {
+        "off": offload_kv("off"),
+        "SimpleCPU": offload_kv("simple"),
+        "Offloading": offload_kv("offload", blocks_per_chunk=4),
+    }
+    if args.disk:
+        configs["Offloading+disk"] = offload_kv("disk", folder, blocks_per_chunk=4)
+    engine_args = {
+        "max_model_len": args.max_len + args.output_len,
+        "num_kv_blocks": args.num_prompts * (args.max_len + args.output_len) // 16 + 64,
+        "max_num_seqs": args.num_prompts,
+    }
+    llms = {name: make_llm(model, args.dtype, kv, **engine_args) for name, kv in configs.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    rng = random.Random(1)
+    warm = [{"prompt_token_ids": random_tokens(rng, 64, vocab)}]
+    for llm in llms.values():
+        llm.generate(warm, params, use_tqdm=False)
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    outputs: dict[str, list[Any]] = {}
+    for rep in range(args.reps):
+        prompts = [
+            {"prompt_token_ids": random_tokens(rng, rng.randint(args.min_len, args.max_len), vocab)}
+            for _ in range(args.num_prompts)
+        ]
+        order = list(llms) if rep % 2 == 0 else list(reversed(llms))
+        for name in order:
+            llm = llms[name]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            times[name].append(time.perf_counter() - t0)
+            outputs[name] = [o.outputs[0].token_ids for o in outs]
+            drain(llm)  # finish the stores before the next config runs (not timed)
+            print(f"rep {rep} {name:>16}: {times[name][-1]:.2f} s")
+    same = all(outputs[n] == outputs["off"] for n in outputs)
+    stats = {n: llms[n].engine.kv_connector_totals.as_dict() for n in llms}
+    for llm in llms.values():
+        llm.engine.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
+    tokens = args.num_prompts * args.output_len
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "best_s": {n: min(t) for n, t in times.items()},
+        "all_s": times,
+        "tok_per_s": {n: tokens / min(t) for n, t in times.items()},
+        "identical_outputs": same,
+        "connector_stats": stats,
+    }
+
+
+def report(res: dict[str, Any], write_docs: bool, quick: bool) -> str:
+    base = res["tok_per_s"]["off"]
+    rows = []
+    for name, tps in res["tok_per_s"].items():
+        st = res["connector_stats"].get(name, {})
+        stored = (st.get("store_bytes", 0) + st.get("disk_store_bytes", 0)) / 2**20
+        rows.append([name, res["best_s"][name], tps, f"{(1 - tps / base):+.1%}", stored])
+    table = markdown_table(["config", "best s", "output tok/s", "loss vs off", "MiB stored"], rows)
+    print(table)
+    print("outputs identical:", res["identical_outputs"])
+    if write_docs:
+        suffix = "_quick" if quick else ""
+        plot = bar_plot(
+            IMG_DIR / f"offload_throughput{suffix}.png",
+            list(res["tok_per_s"]),
+            {"output tok/s": list(res["tok_per_s"].values())},
+            f"No reuse: throughput with offloading on vs off ({res['model']}, {res['dtype']})",
+            "output tokens/s",
+        )
+        worst = max(1 - t / base for t in res["tok_per_s"].values())
+        update_doc(
+            f"offload_throughput{suffix}",
+            f"### Throughput without reuse{' (smoke run)' if quick else ''}\n\n"
+            f"`benchmarks/offload_throughput.py{' --quick' if quick else ''}`: "
+            f"{res['num_prompts']} unique prompts x {res['output_len']} output tokens per run, "
+            f"best of the alternating runs; outputs identical across configs: "
+            f"{res['identical_outputs']}.\n\n{table}\n\nLargest loss: {worst:.1%} "
+            f"(target <= 3%{'; smoke runs of a few ms are mostly noise' if quick else ''}).\n\n![throughput](img/{plot.name})\n",
+        )
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--min-len", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--disk", action="store_true", help="also a config with a disk tier")
+    ap.add_argument("--no-docs", action="store_true")
+    args = ap.parse_args()
+    args.model = args.model or ("tiny" if args.quick else "mid")
+    args.num_prompts = args.num_prompts or (8 if args.quick else 32)
+    args.output_len = args.output_len or (16 if args.quick else 64)
+    args.reps = args.reps or (2 if args.quick else 5)
+    if args.quick:
+        args.min_len, args.max_len = 64, 128
+    res = run(args)
+    write_results_json(RESULTS / f"offload_throughput{'_quick' if args.quick else ''}.json", res)
+    report(res, not args.no_docs, args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Sizes and the disk folder of an OffloadingConnector, derived the same way on both roles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvferry.core.kv_cache_config import KVCacheConfig
+from kvferry.kv_transfer.offload.connector_base import EngineFacts
+from kvferry.kv_transfer.offload.disk import (
+    file_bytes,
+    layout_fingerprint,
+    model_fingerprint,
+    payload_bytes,
+)
+from kvferry.kv_transfer.offload.options import OffloadingOptions
+
+
+@dataclass(frozen=True)
+class OffloadLayout:
+    block_size: int
+    blocks_per_chunk: int
+    bytes_per_block: int
+    num_host_chunks: int
+    num_disk_chunks: int
+    disk_folder: Path | None
+    fingerprint: str
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+    @property
+    def chunk_payload(self) -> int:
+        return payload_bytes(self.bytes_per_block, self.blocks_per_chunk)
+
+    @property
+    def file_size(self) -> int:
+        return file_bytes(self.bytes_per_block, self.blocks_per_chunk)
+
+
+def resolve_layout(
+    opts: OffloadingOptions, kv_cache_config: KVCacheConfig, facts: EngineFacts, owner: str
+) -> OffloadLayout:
+    group = kv_cache_config.groups[0]
+    per_block = kv_cache_config.bytes_per_block
+    b = opts.blocks_per_chunk
+    folder, fingerprint, n_disk = None, "", 0
+    if opts.disk_path is not None:
+        fingerprint = layout_fingerprint(
+            model_fingerprint(facts.model_path),
+            len(group.layer_names),
+            group.num_kv_heads,
+            group.head_dim,
+            group.dtype,
+            group.block_size,
+            b,
+        )
+        # One folder per rank: each holds its own shard of the KV heads.
+        folder = Path(opts.disk_path) / fingerprint / "rank0"
+        n_disk = opts.num_disk_file_chunks(file_bytes(per_block, b), owner)
+    return OffloadLayout(
+        block_size=group.block_size,
+        blocks_per_chunk=b,
+        bytes_per_block=per_block,
+        num_host_chunks=opts.num_host_chunks(per_block * b, owner),
+        num_disk_chunks=n_disk,
+        disk_folder=folder,
+        fingerprint=fingerprint,
+    )

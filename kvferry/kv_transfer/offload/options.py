@@ -1,0 +1,134 @@
+"""Typed options of the offload connectors, parsed from ``kv_connector_extra_config``.
+
+Unknown keys and wrong types are rejected by :func:`kvferry.kv_transfer.options.parse_options`
+with the list of valid options; the ``validate`` methods here check values and combinations.
+Sizes are bytes (ints); a count option (``num_cpu_blocks`` ...) overrides the byte budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvferry.config import ConfigError
+from kvferry.kv_transfer.offload.policies import policy_class
+
+GiB = 1024**3
+
+
+def _positive(owner: str, name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{owner}: {name} must be positive, got {value}")
+
+
+@dataclass
+class SimpleCPUOffloadOptions:
+    """``cpu_bytes_to_use``: host memory for offloaded KV, shared by all ranks (default 8 GiB,
+    as in vLLM); ``cpu_bytes_to_use_per_rank`` overrides it per rank; ``num_cpu_blocks``
+    overrides both. ``lazy_offload``: instead of copying every computed block out as soon as
+    it is complete (eager), copy only cached blocks that are about to be evicted from the
+    engine's pool: the ``lazy_window_blocks`` blocks at the head of its free queue (default:
+    an eighth of the pool)."""
+
+    cpu_bytes_to_use: int = 8 * GiB
+    cpu_bytes_to_use_per_rank: int | None = None
+    num_cpu_blocks: int | None = None
+    lazy_offload: bool = False
+    lazy_window_blocks: int | None = None
+
+    def validate(self, owner: str) -> None:
+        _positive(owner, "cpu_bytes_to_use", self.cpu_bytes_to_use)
+        _positive(owner, "cpu_bytes_to_use_per_rank", self.cpu_bytes_to_use_per_rank)
+        _positive(owner, "num_cpu_blocks", self.num_cpu_blocks)
+        _positive(owner, "lazy_window_blocks", self.lazy_window_blocks)
+
+    def num_blocks(self, bytes_per_block: int, world_size: int, owner: str) -> int:
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        per_rank = self.cpu_bytes_to_use_per_rank or self.cpu_bytes_to_use // max(1, world_size)
+        n = per_rank // bytes_per_block
+        if n <= 0:
+            raise ConfigError(
+                f"{owner}: {per_rank} bytes of host memory hold no KV block "
+                f"({bytes_per_block} bytes each); raise cpu_bytes_to_use"
+            )
+        return n
+
+
+@dataclass
+class OffloadingOptions:
+    """Options of the tiered OffloadingConnector.
+
+    Host tier (always on): ``cpu_bytes_to_use`` (required unless ``num_cpu_chunks``), divided
+    into chunks of ``blocks_per_chunk`` engine blocks; ``eviction_policy`` "lru" | "arc" | a
+    ``module:Class`` path.
+
+    Disk tier (on when ``disk_path`` is set): files under ``disk_path/<fingerprint>/``,
+    ``disk_bytes_to_use`` bytes at most (default 10 GiB) or ``num_disk_chunks`` files,
+    ``disk_eviction_policy``; ``disk_fsync`` makes each file durable before it is offered
+    (slower; a crash can otherwise leave a truncated file, which is detected and ignored).
+    Every chunk stored on the host is also written to disk (write-through); a disk-only hit
+    is first copied back to the host, checked, then loaded.
+
+    ``offload_prompt_only`` (default True, as vLLM): store only chunks inside the prompt.
+    ``store_threshold``: store a chunk only once this many requests offered it (1 = always);
+    the counter remembers ``max_tracker_size`` keys. ``max_lookup_deferrals``: how many
+    scheduler steps a request may wait for chunks that are being stored or read from disk
+    before it takes the hit that is ready.
+    """
+
+    cpu_bytes_to_use: int | None = None
+    num_cpu_chunks: int | None = None
+    blocks_per_chunk: int = 1
+    eviction_policy: str = "lru"
+    disk_path: str | None = None
+    disk_bytes_to_use: int = 10 * GiB
+    num_disk_chunks: int | None = None
+    disk_eviction_policy: str = "lru"
+    disk_fsync: bool = False
+    offload_prompt_only: bool = True
+    store_threshold: int = 1
+    max_tracker_size: int = 64000
+    max_lookup_deferrals: int = 200
+
+    def validate(self, owner: str) -> None:
+        if self.cpu_bytes_to_use is None and self.num_cpu_chunks is None:
+            raise ConfigError(f"{owner}: set cpu_bytes_to_use (or num_cpu_chunks)")
+        for name in (
+            "cpu_bytes_to_use",
+            "num_cpu_chunks",
+            "blocks_per_chunk",
+            "disk_bytes_to_use",
+            "num_disk_chunks",
+            "store_threshold",
+            "max_tracker_size",
+        ):
+            _positive(owner, name, getattr(self, name))
+        if self.max_lookup_deferrals < 0:
+            raise ConfigError(f"{owner}: max_lookup_deferrals must be >= 0")
+        if self.disk_path == "":
+            raise ConfigError(f"{owner}: disk_path must not be empty")
+        policy_class(self.eviction_policy)
+        policy_class(self.disk_eviction_policy)
+
+    def num_host_chunks(self, bytes_per_chunk: int, owner: str) -> int:
+        if self.num_cpu_chunks is not None:
+            return self.num_cpu_chunks
+        assert self.cpu_bytes_to_use is not None
+        n = self.cpu_bytes_to_use // bytes_per_chunk
+        if n <= 0:
+            raise ConfigError(
+                f"{owner}: cpu_bytes_to_use={self.cpu_bytes_to_use} holds no chunk "
+                f"({bytes_per_chunk} bytes each)"
+            )
+        return n
+
+    def num_disk_file_chunks(self, bytes_per_file: int, owner: str) -> int:
+        if self.num_disk_chunks is not None:
+            return self.num_disk_chunks
+        n = self.disk_bytes_to_use // bytes_per_file
+        if n <= 0:
+            raise ConfigError(
+                f"{owner}: disk_bytes_to_use={self.disk_bytes_to_use} holds no chunk file "
+                f"({bytes_per_file} bytes each)"
+            )
+        return n
