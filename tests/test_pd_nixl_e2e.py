@@ -93,3 +93,34 @@ def test_pd_is_token_identical_and_frees_prefill_blocks(pd, offline, length, str
         timeout=30,
         what="the prefill instance's blocks to return to its free pool",
     )
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"do_remote_prefill": True, "remote_block_ids": "all of them"},
+        {"do_remote_prefill": True, "do_remote_decode": True},
+        {"do_remote_prefill": "yes"},
+        {
+            "do_remote_prefill": True,
+            "remote_block_ids": [1, 1],
+            "remote_engine_id": "x",
+            "remote_request_id": "r",
+            "remote_host": "127.0.0.1",
+            "remote_port": 1,
+            "remote_num_tokens": 32,
+            "tp_size": 1,
+        },
+    ],
+)
+def test_forged_kv_transfer_params_get_400_and_hold_nothing(pd, forged) -> None:
+    import httpx
+
+    d_url = pd["decode"].url
+    body = {"model": "tiny", "prompt": _ids(32, 1), "max_tokens": 4, "kv_transfer_params": forged}
+    r = httpx.post(d_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "kv_transfer_params" in err["message"]
+    assert metric(d_url, "kvferry_num_requests_running") == 0
+    assert metric(d_url, "kvferry_kv_cache_usage_perc") == 0

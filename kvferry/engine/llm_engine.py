@@ -125,6 +125,12 @@ class LLMEngine:
             cache_salt=cache_salt,
             block_hasher=self._block_hasher,
         )
+        connector = self.scheduler.connector
+        if connector is not None and request.kv_transfer_params is not None:
+            try:
+                connector.validate_kv_transfer_params(request.kv_transfer_params)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.output_processor.add_request(request_id, text, ids, params)
         self.scheduler.add_request(request)
         return request_id

@@ -293,6 +293,13 @@ class KVConnectorBase(ABC):
         """Pack this step's loads and saves. Called at the end of every ``schedule()``; must not
         modify ``scheduler_output``; resets the per-step plan."""
 
+    def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        """Called on the scheduler side when a request carrying ``kv_transfer_params`` arrives,
+        before it is queued. Raise ``ValueError`` with a clear message for params this
+        connector could never honour (wrong types, impossible ranges); the request is then
+        refused (an HTTP 400 from the server) and nothing is held. Checks that need the
+        request's state belong in ``get_num_new_matched_tokens``."""
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Consume the step's aggregated worker output, before the scheduler handles
         finished_recving / finished_sending."""

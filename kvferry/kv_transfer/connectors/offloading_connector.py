@@ -11,7 +11,7 @@ Behaviour, in protocol terms:
 * ``get_num_new_matched_tokens``: the longest run of stored chunks after the local hit,
   capped so the last prompt token is recomputed, always loaded asynchronously. Chunks being
   written (a store in flight, or a disk chunk being checked and copied back to the host)
-  make the lookup answer None ("ask again") for up to ``max_lookup_deferrals`` steps.
+  make the lookup answer None ("ask again") for up to ``max_lookup_wait_s`` seconds.
 * Stores: chunks a step's forward completes are copied out right after that forward.
 * ``request_finished`` never delays frees; stores still reading reused blocks are fenced.
 * Completion of every job comes back through worker metadata, counted across workers, before

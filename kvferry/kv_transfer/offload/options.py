@@ -71,9 +71,10 @@ class OffloadingOptions:
 
     ``offload_prompt_only`` (default True, as vLLM): store only chunks inside the prompt.
     ``store_threshold``: store a chunk only once this many requests offered it (1 = always);
-    the counter remembers ``max_tracker_size`` keys. ``max_lookup_deferrals``: how many
-    scheduler steps a request may wait for chunks that are being stored or read from disk
-    before it takes the hit that is ready.
+    the counter remembers ``max_tracker_size`` keys. ``max_lookup_wait_s``: how long a
+    request may wait (seconds) for chunks that are being stored or read back from disk before
+    it takes the hit that is ready. A time, not a step count: steps with nothing to compute
+    take microseconds, so a count would expire long before a disk read finishes.
     """
 
     cpu_bytes_to_use: int | None = None
@@ -88,7 +89,7 @@ class OffloadingOptions:
     offload_prompt_only: bool = True
     store_threshold: int = 1
     max_tracker_size: int = 64000
-    max_lookup_deferrals: int = 200
+    max_lookup_wait_s: float = 30.0
 
     def validate(self, owner: str) -> None:
         if self.cpu_bytes_to_use is None and self.num_cpu_chunks is None:
@@ -103,8 +104,8 @@ class OffloadingOptions:
             "max_tracker_size",
         ):
             _positive(owner, name, getattr(self, name))
-        if self.max_lookup_deferrals < 0:
-            raise ConfigError(f"{owner}: max_lookup_deferrals must be >= 0")
+        if self.max_lookup_wait_s < 0:
+            raise ConfigError(f"{owner}: max_lookup_wait_s must be >= 0")
         if self.disk_path == "":
             raise ConfigError(f"{owner}: disk_path must not be empty")
         policy_class(self.eviction_policy)

@@ -44,6 +44,7 @@ from kvferry.kv_transfer.base import (
     KVConnectorWorkerMetadata,
 )
 from kvferry.kv_transfer.connectors.nixl.metadata import NixlConnectorMetadata, NixlOptions
+from kvferry.kv_transfer.connectors.nixl.params import Side, parse_remote, request_side
 from kvferry.kv_transfer.connectors.nixl.scheduler import NixlConnectorScheduler
 from kvferry.kv_transfer.options import parse_options
 
@@ -148,6 +149,10 @@ class NixlConnector(KVConnectorBase):
             self.connector_worker.shutdown()
 
     # --------------------------------------------------------------- scheduler side
+    def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        if request_side(params) is Side.DECODE:
+            parse_remote(params, self._kv_cache_config.block_size)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -13,7 +13,7 @@ the job is listed in the step's ``flush`` and the worker waits for it before the
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+import time
 from typing import Any
 
 from kvferry.core.kv_cache_config import KVCacheConfig
@@ -75,7 +75,8 @@ class OffloadingScheduler(SchedulerHalf):
         self._ids = itertools.count()
         self._fence: dict[int, set[int]] = {}  # engine block -> store jobs reading it
         self._lookups: dict[str, tuple[int, list[Key]]] = {}  # req -> (local tokens, hit keys)
-        self._deferrals: Counter[str] = Counter()
+        # request id -> monotonic time of its first deferred lookup
+        self._deferred_since: dict[str, float] = {}
         self._failed_loads: set[str] = set()
         self._step_loads: list[Part] = []
         self._step_allocated: set[int] = set()
@@ -133,9 +134,10 @@ class OffloadingScheduler(SchedulerHalf):
             self.mgr.pin(rid, key, tier)
         self.mgr.drop_holds(old)
         keys = [key for key, _ in hits]
-        if waiting and self._deferrals[rid] < self.opts.max_lookup_deferrals:
-            self._deferrals[rid] += 1
-            return None, False
+        if waiting:
+            since = self._deferred_since.setdefault(rid, time.monotonic())
+            if time.monotonic() - since < self.opts.max_lookup_wait_s:
+                return None, False
         n = (first + len(hits)) * ct - num_computed_tokens
         self._lookups[rid] = (num_computed_tokens, keys if n > 0 else [])
         if n <= 0:
@@ -151,7 +153,7 @@ class OffloadingScheduler(SchedulerHalf):
         state.request = request
         state.block_ids = list(blocks.get_block_ids()[0])
         lookup = self._lookups.pop(rid, None)
-        self._deferrals.pop(rid, None)
+        self._deferred_since.pop(rid, None)
         if lookup is None:
             self.mgr.release(rid)
             return  # the second call after an async load, or a resumed request
@@ -358,7 +360,7 @@ class OffloadingScheduler(SchedulerHalf):
         rid = request.request_id
         self._reqs.pop(rid, None)
         self._lookups.pop(rid, None)
-        self._deferrals.pop(rid, None)
+        self._deferred_since.pop(rid, None)
         self._failed_loads.discard(rid)
         self.mgr.release(rid)
 
@@ -381,5 +383,5 @@ class OffloadingScheduler(SchedulerHalf):
         if idle:
             assert not self._jobs, f"jobs in flight: {sorted(self._jobs)}"
             assert not self._fence and not self._reqs and not self._lookups
-            assert not self._failed_loads and not self._deferrals
+            assert not self._failed_loads and not self._deferred_since
             assert len(self._counter) == 0, "partial job reports left"

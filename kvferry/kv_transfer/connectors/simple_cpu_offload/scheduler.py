@@ -39,7 +39,7 @@ class SimpleCPUOffloadScheduler(OffloadingScheduler):
         inner = OffloadingOptions(
             num_cpu_chunks=layout.num_host_chunks,
             offload_prompt_only=False,
-            max_lookup_deferrals=0,
+            max_lookup_wait_s=0.0,
         )
         super().__init__(inner, layout, kv_cache_config, world_size, name)
         self.lazy = opts.lazy_offload
