@@ -67,6 +67,7 @@ def main() -> None:
     sys.stdout = sys.stderr
     model, kv_json = sys.argv[1], sys.argv[2]
     from kvferry import LLM, SamplingParams
+    from kvferry.config import ConfigError
 
     kvt = json.loads(kv_json)
     llm = LLM(
@@ -134,7 +135,11 @@ def main() -> None:
                     ignore_eos=True,
                     extra_args=extra,
                 )
-                rid = engine.add_request({"prompt_token_ids": cmd["prompt"]}, sp)
+                try:
+                    rid = engine.add_request({"prompt_token_ids": cmd["prompt"]}, sp)
+                except ConfigError as e:  # refused at intake (e.g. malformed kv_transfer_params)
+                    send({"id": cid, "finish_reason": "rejected", "error": str(e), "tokens": []})
+                    continue
                 pending[rid] = cid
             elif op == "status":
                 send({"id": cid, **status()})

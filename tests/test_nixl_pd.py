@@ -233,18 +233,25 @@ def test_forged_params_fail_clearly_and_hold_nothing(cluster, prompts, reference
     blocks = good["remote_block_ids"]
     other = [b + 100 for b in blocks]
     changed = [prompt[0] + 1, *prompt[1:]]
-    cases = [  # (prompt, params, what the decode instance's log must say)
+    # Malformed params are refused when the request arrives (validate_kv_transfer_params);
+    # well-formed forgeries are refused by the prefill instance's claim check.
+    intake = [  # (prompt, params, what the refusal says)
         (prompt, {**good, "remote_block_ids": "all"}, "Expected `array`, got `str`"),
         (prompt, {**good, "remote_block_ids": [-1, *blocks[1:]]}, "Expected `int` >= 0"),
         (prompt, {**good, "remote_port": "80"}, "at `$.remote_port`"),
         (prompt, {**good, "do_remote_prefill": "yes"}, "must be true or false"),
         (prompt, {**good, "remote_block_ids": blocks[:-1]}, "needs 4 blocks"),
+    ]
+    for pr, params, message in intake:
+        out = d.wait(_decode(d, pr, params))
+        assert out["finish_reason"] == "rejected" and message in out["error"], out
+    claimed = [  # (prompt, params, what the decode instance's log must say)
         (prompt, {**good, "remote_request_id": "nope"}, "holds no blocks for request 'nope'"),
         (prompt, {**good, "remote_block_ids": other}, "other blocks"),
         (changed, good, "prompt differs from the prompt prefilled here"),
     ]
-    ids = [_decode(d, pr, params) for pr, params, _ in cases]
-    for cid, (_, _, message) in zip(ids, cases, strict=True):
+    ids = [_decode(d, pr, params) for pr, params, _ in claimed]
+    for cid, (_, _, message) in zip(ids, claimed, strict=True):
         out = d.wait(cid)
         assert out["finish_reason"] == "error" and "KV cache load failed" in out["error"], out
         assert message in d.log(), message
