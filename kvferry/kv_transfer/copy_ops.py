@@ -25,12 +25,21 @@ def copy_kv_blocks(
         raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
     if not src_block_ids:
         return
+    # Index tensors are built once per device, not once per layer.
+    indices: dict[tuple[torch.device, bool], torch.Tensor] = {}
+
+    def index(device: torch.device, is_src: bool) -> torch.Tensor:
+        key = (device, is_src)
+        if key not in indices:
+            ids = src_block_ids if is_src else dst_block_ids
+            indices[key] = torch.tensor(ids, dtype=torch.long, device=device)
+        return indices[key]
+
     for name, src in src_caches.items():
         dst = dst_caches.get(name)
         if dst is None:
             continue
-        src_idx = torch.tensor(src_block_ids, dtype=torch.long, device=src.device)
-        dst_idx = torch.tensor(dst_block_ids, dtype=torch.long, device=dst.device)
+        src_idx, dst_idx = index(src.device, True), index(dst.device, False)
         blocks = src.index_select(1, src_idx)
         if blocks.device != dst.device:
             blocks = blocks.to(dst.device, non_blocking=direction == "d2h")
