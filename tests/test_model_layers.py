@@ -81,3 +81,21 @@ def test_half_precision_linear(rows: int, monkeypatch: pytest.MonkeyPatch) -> No
         out = linear(x, w, b)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), exact, atol=0.1, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 8, layers.PACKED_MAX_ROWS, layers.PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_fp32_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    x = torch.randn(rows, 32, generator=g)
+    packed = layers.pack_weight(w)
+    if packed is None:
+        pytest.skip("this torch build has no oneDNN")
+    want = F.linear(x, w, b)
+    got = linear(x, layers.input_major(w), b, packed)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # A non-contiguous input (a column slice, as attention outputs can be) works too.
+    wide = torch.randn(rows, 64, generator=g)
+    torch.testing.assert_close(linear(wide[:, :32], w, b, packed), F.linear(wide[:, :32], w, b))

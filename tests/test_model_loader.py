@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvferry.config import ConfigError, ModelConfig
+from kvferry.model import layers
 from kvferry.model.loader import load_model
 
 CPU = torch.device("cpu")
@@ -145,3 +146,15 @@ def test_unsupported_architecture(tiny_model_factory: Callable[..., Path], tmp_p
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="unsupported architecture.*MistralForCausalLM"):
         ModelConfig(str(folder))
+
+
+def test_cpu_fp32_weights_are_laid_out_for_gemms(tiny_model_factory: Callable[..., Path]) -> None:
+    folder = tiny_model_factory("llama")
+    fp32 = load_model(ModelConfig(str(folder), dtype="float32"), torch.device("cpu"))
+    proj = fp32.model.layers[0].self_attn.qkv_proj
+    assert proj.weight.stride() == (1, proj.weight.shape[0])  # input-major
+    if layers.pack_weight(torch.ones(2, 2)) is not None:
+        assert proj.packed is not None
+    bf16 = load_model(ModelConfig(str(folder), dtype="bfloat16"), torch.device("cpu"))
+    proj = bf16.model.layers[0].self_attn.qkv_proj
+    assert proj.weight.is_contiguous() and proj.packed is None  # half precision: untouched

@@ -145,6 +145,27 @@ def test_disk_tier_serves_when_host_memory_is_too_small(model_dir, reference, tm
     assert stats.get("verify_jobs", 0) + stats.get("promote_jobs", 0) > 0
 
 
+def test_lazy_offload_inside_multi_connector(model_dir, reference) -> None:
+    """MultiConnector hands the engine's KV cache manager to its children, so lazy offload
+    (which walks the free queue) works when wrapped."""
+    child = {
+        "kv_connector": SIMPLE,
+        "kv_connector_extra_config": CONFIGS["simple-lazy"]["kv_connector_extra_config"],
+    }
+    kv = _kv("MultiConnector", connectors=[child])
+    llm = _llm(model_dir, kv)
+    tokens, external = multi_turn(llm)
+    assert tokens == reference["multi_turn"]
+    assert external > 0
+    engine = llm.engine
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.scheduler.check_integrity()
+    inner = engine.scheduler.connector.children[0]  # type: ignore[union-attr]
+    inner.check_offload_integrity(idle=True)
+    engine.shutdown()
+
+
 def test_bad_configs_fail_clearly(model_dir) -> None:
     with pytest.raises(ConfigError, match="needs prefix caching"):
         _llm(model_dir, _kv(SIMPLE, num_cpu_blocks=8), enable_prefix_caching=False)

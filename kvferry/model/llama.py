@@ -18,7 +18,16 @@ from torch import nn
 
 from kvferry.config import ArchConfig
 from kvferry.model.attention import Attention
-from kvferry.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear
+from kvferry.model.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    input_major,
+    linear,
+    pack_weight,
+)
 
 
 class DecoderAttention(nn.Module):
@@ -136,15 +145,38 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions)
         self.tie_word_embeddings = cfg.tie_word_embeddings
+        self._logits_packed: torch.Tensor | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.layer_names: list[str] = [
             f"model.layers.{i}.self_attn.attn" for i in range(cfg.num_hidden_layers)
         ]
 
+    def optimize_for_cpu_fp32(self) -> None:
+        """Lay out the fp32 matmul weights for CPU GEMMs (the loader calls this for fp32 on
+        CPU; half-precision weights must stay as they are: without native bf16/fp16 GEMMs
+        the transposed layout falls onto a path 20x slower).
+
+        * Dense weights become input-major (the same ``(out, in)`` tensor with strides
+          ``(1, out)``), so ``F.linear`` hands MKL a row-major ``(in, out)`` matrix: up to
+          1.8x faster for steps of a few rows, never slower for large ones.
+        * Each weight also gets a oneDNN-packed copy used for steps of at most
+          :data:`~kvferry.model.layers.PACKED_MAX_ROWS` rows (decode), which streams the
+          weight about twice as fast again. That doubles the memory the fp32 weights take;
+          the logits use a packed copy of the (tied) embedding in the same way.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = pack_weight(module.weight.data)
+                module.weight.data = input_major(module.weight.data)
+        if self.tie_word_embeddings:
+            self._logits_packed = pack_weight(self.model.embed_tokens.weight.data)
+        else:
+            self._logits_packed = self.lm_head.packed
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, weight, packed=self._logits_packed).float()

@@ -92,6 +92,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
         )
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu" and model_config.torch_dtype == torch.float32:
+        model.optimize_for_cpu_fp32()
     return model
 
 

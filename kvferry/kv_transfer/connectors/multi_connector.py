@@ -31,7 +31,7 @@ from kvferry.kv_transfer.factory import KVConnectorFactory
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
     from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks
+    from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from kvferry.core.sched_output import SchedulerOutput
     from kvferry.kv_transfer.output import KVConnectorOutput
     from kvferry.model.forward_context import ForwardContext
@@ -193,6 +193,10 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         if delays > 1:
             self._extra_async_saves[req_id] = delays - 1
         return delays > 0, merged or None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        for child in self.children:
+            child.bind_kv_cache_manager(kv_cache_manager)
 
     def take_events(self) -> Iterable[Any]:
         for child in self.children:
