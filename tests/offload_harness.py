@@ -58,6 +58,9 @@ class OffloadHarness:
         enable_prefix_caching: bool = True,
         num_layers: int = 2,
     ) -> None:
+        # Background stores unless a test asks otherwise: the lifecycle tests are about jobs
+        # that are still in flight while the scheduler moves on.
+        extra = {"host_store_mode": "background", **extra}
         kvt = KVTransferConfig(
             kv_connector=connector,
             kv_role="kv_both",

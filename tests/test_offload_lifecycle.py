@@ -59,6 +59,8 @@ def slow(h: OffloadHarness, method: str, delay: float = 0.0, gate: threading.Eve
         (SIMPLE, {"num_cpu_blocks": 64, "lazy_offload": True, "lazy_window_blocks": 12}),
         (OFFLOAD, {"num_cpu_chunks": 32, "blocks_per_chunk": 2, "offload_prompt_only": False}),
         (OFFLOAD, {"num_cpu_chunks": 64, "eviction_policy": "arc"}),
+        (SIMPLE, {"num_cpu_blocks": 64, "host_store_mode": "inline"}),
+        (OFFLOAD, {"num_cpu_chunks": 64, "host_store_mode": "inline"}),
     ],
 )
 def test_prefixes_evicted_from_the_pool_come_back_from_the_host(name: str, extra: dict) -> None:
@@ -289,3 +291,18 @@ def test_a_failed_load_follows_the_failure_policy(policy: str) -> None:
     h.assert_clean()
     assert h.stats()["load_failed"] == 1
     h.shutdown()
+
+
+def test_inline_stores_are_done_when_the_step_returns() -> None:
+    h = OffloadHarness(SIMPLE, {"num_cpu_blocks": 64, "host_store_mode": "inline"})
+    assert h.engine.inline_stores
+    run_prompts(h, [0])
+    assert h.engine.num_in_flight() == 0
+    assert h.stats()["store_jobs"] > 0
+    h.assert_clean()
+    h.shutdown()
+
+
+def test_host_store_mode_is_validated() -> None:
+    with pytest.raises(ConfigError, match=r"host_store_mode must be one of \['auto'"):
+        OffloadHarness(SIMPLE, {"num_cpu_blocks": 8, "host_store_mode": "sometimes"})

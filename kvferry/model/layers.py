@@ -147,6 +147,13 @@ def _native_half_matmul(dtype: torch.dtype) -> bool:
 
 
 _NATIVE_HALF = {dt: _native_half_matmul(dt) for dt in (torch.bfloat16, torch.float16)}
+
+
+def emulated_half_matmul(dtype: torch.dtype) -> bool:
+    """True for bf16/fp16 on a CPU that has no matrix instructions for them."""
+    return dtype in _NATIVE_HALF and not _NATIVE_HALF[dtype]
+
+
 # Below this many rows the half-precision GEMV is memory-bound and beats converting the weight.
 _UPCAST_MIN_ROWS = 6
 

@@ -19,6 +19,7 @@ from torch import nn
 from kvferry.config import ArchConfig
 from kvferry.model.attention import Attention
 from kvferry.model.layers import (
+    PACKED_MAX_ROWS,
     GatedMLP,
     Linear,
     RMSNorm,
@@ -174,9 +175,27 @@ class CausalLM(nn.Module):
         else:
             self._logits_packed = self.lm_head.packed
 
+    def optimize_for_cpu_emulated_half(self) -> None:
+        """bf16/fp16 weights on a CPU without native half-precision GEMMs (the loader calls
+        this there): the layers widen each weight to fp32 per call (see
+        :func:`~kvferry.model.layers.linear`), which for the vocabulary-sized logits matrix
+        costs more than the product itself at decode sizes (75 ms per step for a 32k x 1024
+        matrix). The logits therefore get a persistent oneDNN-packed fp32 copy (4 bytes per
+        vocabulary entry and hidden unit), used for steps of at most
+        :data:`~kvferry.model.layers.PACKED_MAX_ROWS` sampled rows.
+        """
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        self._logits_packed = pack_weight(weight.data.float())
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight, packed=self._logits_packed).float()
+        packed = self._logits_packed
+        if packed is not None and hidden.dtype != torch.float32:
+            if hidden.shape[0] > PACKED_MAX_ROWS:
+                return linear(hidden, weight).float()
+            # Rounded to the model's dtype like the per-call path, so greedy picks agree.
+            return linear(hidden.float(), weight, packed=packed).to(hidden.dtype).float()
+        return linear(hidden, weight, packed=packed).float()

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kvferry.config import ArchConfig, ConfigError, ModelConfig
+from kvferry.model.layers import emulated_half_matmul
 from kvferry.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     model.requires_grad_(False)
     if device.type == "cpu" and model_config.torch_dtype == torch.float32:
         model.optimize_for_cpu_fp32()
+    elif device.type == "cpu" and emulated_half_matmul(model_config.torch_dtype):
+        model.optimize_for_cpu_emulated_half()
     return model
 
 

@@ -52,4 +52,6 @@ class OffloadingConnector(OffloadConnectorBase):
                 self.options, self.layout, kv_cache_config, self.facts.world_size, name
             )
         else:
-            self._worker = OffloadingWorker(self.layout, self.options.disk_fsync, name)
+            self._worker = OffloadingWorker(
+                self.layout, self.options.disk_fsync, name, self.options.host_store_mode
+            )

@@ -8,7 +8,8 @@ with LRU eviction, and loads them back when a request's prefix was evicted from 
   (a repeated lookup replaces its pin) and are always asynchronous.
 * Eager mode (default) copies every block out once a forward completed it; lazy mode copies
   the cached blocks the engine is about to evict. At most one load event and one store event
-  per step; copies run on background threads (CUDA: side streams) while the model computes.
+  per step; loads run on background threads (CUDA: side streams) while the model computes,
+  stores too unless ``host_store_mode`` puts them right after the forward (see the options).
 * A store is published in the host pool only once every worker reported it done (worker
   metadata). Stores still reading blocks that a step reuses are flushed in
   ``handle_preemptions`` before that step's forward.
@@ -58,4 +59,4 @@ class SimpleCPUOffloadConnector(OffloadConnectorBase):
                 self.options, self.layout, kv_cache_config, self.facts.world_size, name
             )
         else:
-            self._worker = OffloadingWorker(self.layout, False, name)
+            self._worker = OffloadingWorker(self.layout, False, name, self.options.host_store_mode)

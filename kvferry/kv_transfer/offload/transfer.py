@@ -13,6 +13,11 @@ On a CUDA engine the copy thread issues its copies on its own stream into pinned
 (DMA, no SMs used) and waits for that stream, never for the compute stream; a store first
 waits for the CUDA event the worker recorded after the forward that wrote its blocks.
 
+With ``inline_stores`` (a CPU engine whose forward already uses every core) a store runs in
+:meth:`submit`, on the worker's thread right after the forward, split over the copy pool: a
+background copy there could only preempt the forward's OpenMP threads, and a preempted
+thread stalls the whole team at its next barrier.
+
 Completion is polled (:meth:`poll`); :meth:`wait` blocks until given jobs are done (used to
 fence engine blocks that are about to be reused while a store still reads them).
 """
@@ -70,9 +75,15 @@ class _Pending:
 
 class TransferEngine:
     def __init__(
-        self, kv_caches: dict[str, torch.Tensor], host: HostKVBuffer, disk: DiskStore | None
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        host: HostKVBuffer,
+        disk: DiskStore | None,
+        inline_stores: bool = False,
     ) -> None:
         self.host = host
+        self.inline_stores = inline_stores
+        self.background_seconds = 0.0  # copy-thread time on loads and stores (benchmarks)
         self.disk = disk
         self._engine_layers = [kv_caches[n] for n in host.layer_names]
         self._host_layers = [host.layers[n] for n in host.layer_names]
@@ -115,7 +126,9 @@ class TransferEngine:
             assert job.job_id not in self._pending, f"job {job.job_id} submitted twice"
             self._pending[job.job_id] = pending
         reads_file = job.kind in (JobKind.PROMOTE, JobKind.VERIFY) or bool(job.disk_loads)
-        if not reads_file and job.kind in _PRIORITY:
+        if self.inline_stores and job.kind == JobKind.STORE:
+            self._run(pending, self._store)  # on the caller's thread, before it returns
+        elif not reads_file and job.kind in _PRIORITY:
             self._copy_q.put((_PRIORITY[job.kind], next(self._seq), pending))
         elif self.disk is None:
             self._finish(pending, False, 0, 0.0, "no disk tier is configured")
@@ -189,7 +202,9 @@ class TransferEngine:
             _, _, p = self._copy_q.get()
             if p is None:
                 return
+            t0 = time.perf_counter()
             self._run(p, self._load if p.job.kind == JobKind.LOAD else self._store)
+            self.background_seconds += time.perf_counter() - t0
 
     def _read_loop(self) -> None:
         bodies = {JobKind.PROMOTE: self._promote, JobKind.VERIFY: self._verify}

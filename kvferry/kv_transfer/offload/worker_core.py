@@ -31,6 +31,13 @@ logger = init_logger(__name__)
 IDLE_WAIT_S = 0.005
 
 
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def host_memory_available() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
@@ -44,6 +51,7 @@ class OffloadWorker:
         fingerprint: str = "",
         chunk_payload: int = 0,
         fsync: bool = False,
+        store_mode: str = "auto",
     ) -> None:
         self.owner = owner
         self.num_host_blocks = num_host_blocks
@@ -51,6 +59,7 @@ class OffloadWorker:
         self.fingerprint = fingerprint
         self.chunk_payload = chunk_payload
         self.fsync = fsync
+        self.store_mode = store_mode
         self.engine: TransferEngine | None = None
         self.stats: TransferStats | None = None
         self._recving: set[str] = set()
@@ -74,7 +83,11 @@ class OffloadWorker:
         disk = None
         if self.disk_folder is not None:
             disk = DiskStore(self.disk_folder, self.fingerprint, self.chunk_payload, self.fsync)
-        self.engine = TransferEngine(kv_caches, host, disk)
+        inline = not self._cuda and (
+            self.store_mode == "inline"
+            or (self.store_mode == "auto" and torch.get_num_threads() >= usable_cpus())
+        )
+        self.engine = TransferEngine(kv_caches, host, disk, inline_stores=inline)
         self.stats = TransferStats(per_block)
         logger.info(
             kv(
@@ -83,6 +96,7 @@ class OffloadWorker:
                 host_gib=round(need / 2**30, 3),
                 disk=str(self.disk_folder) if self.disk_folder else None,
                 device=str(first.device),
+                stores="inline" if inline else "background",
             )
         )
 

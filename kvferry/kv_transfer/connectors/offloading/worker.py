@@ -18,7 +18,9 @@ def _meta(metadata: KVConnectorMetadata | None) -> OffloadingConnectorMetadata |
 
 
 class OffloadingWorker(WorkerHalf):
-    def __init__(self, layout: OffloadLayout, fsync: bool, name: str) -> None:
+    def __init__(
+        self, layout: OffloadLayout, fsync: bool, name: str, store_mode: str = "auto"
+    ) -> None:
         self.core = OffloadWorker(
             name,
             layout.num_host_chunks * layout.blocks_per_chunk,
@@ -26,6 +28,7 @@ class OffloadingWorker(WorkerHalf):
             layout.fingerprint,
             layout.chunk_payload,
             fsync,
+            store_mode,
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
