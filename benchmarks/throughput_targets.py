@@ -1,0 +1,97 @@
+"""Check a throughput run (benchmarks/throughput.py's JSON) against issue 2's targets.
+
+    .venv/bin/python benchmarks/throughput_targets.py [.bench/results/throughput.json]
+
+Per row: kvferry's output tokens/s against vLLM CPU (target >= 1.0x) and transformers
+(>= 1.2x on fixed-length rows, >= 2x on mixed rows), kvferry's generate time against the
+row's compute floor (target: within 2x for the compute-bound bf16 row, mid-bf16-p64), and
+startup against vLLM's (target <= 1/4). Prints a markdown table and a verdict per target.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS_DIR, markdown_table
+
+COMPUTE_BOUND_ROW = "mid-bf16-p64"
+
+
+def _ok(result: dict[str, Any] | None) -> bool:
+    return result is not None and result.get("status") == "ok"
+
+
+def check(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    table, misses = [], {"vllm": [], "hf": [], "floor": [], "startup": []}
+    for doc in rows:
+        name, res = doc["row"]["name"], doc["results"]
+        mine, vllm, hf = res.get("kvferry"), res.get("vllm"), res.get("hf")
+        if not _ok(mine):
+            continue
+        mixed = doc["row"]["mixed_range"] is not None
+        tps = mine["tokens_per_s"]
+        v = tps / vllm["tokens_per_s"] if _ok(vllm) else None
+        h = tps / hf["tokens_per_s"] if _ok(hf) else None
+        floor = mine["gen_s"] / doc["floor_s"]
+        start = mine["startup_s"] / vllm["startup_s"] if _ok(vllm) else None
+        if v is not None and v < 1.0:
+            misses["vllm"].append(f"{name} {v:.2f}x")
+        if h is not None and h < (2.0 if mixed else 1.2):
+            misses["hf"].append(f"{name} {h:.2f}x")
+        if name == COMPUTE_BOUND_ROW and floor > 2.0:
+            misses["floor"].append(f"{name} {floor:.2f}x")
+        if start is not None and start > 0.25:
+            misses["startup"].append(f"{name} {start:.2f}")
+        table.append(
+            [
+                name,
+                f"{tps:,.1f}",
+                "-" if v is None else f"{v:.2f}x",
+                "-" if h is None else f"{h:.2f}x",
+                f"{floor:.2f}x",
+                f"{mine['startup_s']:.1f} s",
+                "-" if start is None else f"{start:.2f}",
+            ]
+        )
+    md = markdown_table(
+        [
+            "row",
+            "kvferry tok/s",
+            "vs vLLM (>= 1.0x)",
+            "vs HF (>= 1.2x, mixed >= 2x)",
+            "gen time / compute floor",
+            "kvferry startup",
+            "startup / vLLM's (<= 0.25)",
+        ],
+        table,
+    )
+    verdicts = []
+    for target, label in (
+        ("vllm", ">= 1.0x vLLM CPU on every row"),
+        ("hf", ">= 1.2x transformers on fixed rows, >= 2x on mixed rows"),
+        ("floor", f"{COMPUTE_BOUND_ROW} within 2x of its compute floor"),
+        ("startup", "startup <= 1/4 of vLLM's"),
+    ):
+        missed = misses[target]
+        verdicts.append(f"{label}: " + ("met" if not missed else "missed on " + ", ".join(missed)))
+    return md, verdicts
+
+
+def main() -> None:
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS_DIR / "throughput.json"
+    data = json.loads(path.read_text())
+    md, verdicts = check(data["rows"])
+    print(md)
+    print()
+    for line in verdicts:
+        print(f"- {line}")
+
+
+if __name__ == "__main__":
+    main()
