@@ -106,7 +106,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built for the loader to fill (on the meta device): an explicit weight skips the
+        # random init, whose meta-device decomposition alone took 3 s of start-up.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
@@ -169,7 +173,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = pack_weight(module.weight.data)
-                module.weight.data = input_major(module.weight.data)
+                if module.weight.stride() != (1, module.weight.shape[0]):
+                    module.weight.data = input_major(module.weight.data)
         if self.tie_word_embeddings:
             self._logits_packed = pack_weight(self.model.embed_tokens.weight.data)
         else:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kvferry.config import ArchConfig, ConfigError, ModelConfig
-from kvferry.model.layers import emulated_half_matmul
+from kvferry.model.layers import Linear, emulated_half_matmul
 from kvferry.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     cfg = model_config.arch
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions=model_config.max_len)
-    model = model.to(model_config.torch_dtype).to_empty(device=device)
+    cpu_fp32 = device.type == "cpu" and model_config.torch_dtype == torch.float32
+    _materialize(model, model_config.torch_dtype, device, input_major_linears=cpu_fp32)
 
     locations = _tensor_locations(folder)
     used: set[str] = set()
@@ -98,6 +99,24 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     elif device.type == "cpu" and emulated_half_matmul(model_config.torch_dtype):
         model.optimize_for_cpu_emulated_half()
     return model
+
+
+def _materialize(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, input_major_linears: bool
+) -> None:
+    """Give every meta parameter uninitialised storage of ``dtype`` on ``device``; with
+    ``input_major_linears`` the matmul weights are laid out input-major from the start, so
+    the checkpoint copy transposes them in the same pass (see
+    :meth:`CausalLM.optimize_for_cpu_fp32`). ``Module.to_empty`` would get there through
+    torch's Python reference ops, which cost most of a second of start-up on first use."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            shape = param.shape
+            if input_major_linears and isinstance(module, Linear) and name == "weight":
+                empty = torch.empty_strided(shape, (1, shape[0]), dtype=dtype, device=device)
+            else:
+                empty = torch.empty(shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
 
 
 def _sources(name: str, rows: int, cfg: ArchConfig) -> list[tuple[str, int]]:
