@@ -159,7 +159,10 @@ _UPCAST_MIN_ROWS = 6
 
 
 def input_major(weight: torch.Tensor) -> torch.Tensor:
-    """The same ``(out, in)`` matrix stored column-major (strides ``(1, out)``)."""
+    """The same ``(out, in)`` matrix stored column-major (strides ``(1, out)``); ``weight``
+    itself when it already is."""
+    if weight.stride() == (1, weight.shape[0]):
+        return weight
     return weight.t().contiguous().t()
 
 
@@ -186,9 +189,10 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear`` with two CPU fast paths.
 
-    ``packed`` (from :func:`pack_weight`): used for 2-D inputs of at most
+    ``packed`` (from :func:`pack_weight`, always fp32): used for 2-D inputs of at most
     :data:`PACKED_MAX_ROWS` rows, where the GEMM streams the weight from memory and oneDNN's
-    blocked layout streams it about twice as fast as MKL does a plain matrix.
+    blocked layout streams it about twice as fast as MKL does a plain matrix. A half
+    precision input is computed in fp32 and rounded back, as the path below does.
 
     Half precision on a CPU without bf16/fp16 matrix instructions (e.g. AVX2 only): torch
     emulates those GEMMs, 5-8x slower than fp32 for 64+ rows, so the weight is widened to
@@ -197,14 +201,14 @@ def linear(
     AMX/AVX512-BF16 CPUs) this is F.linear.
     """
     if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+        b = None if bias is None else bias.float()
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), packed, bias, "none", [], ""
+            x.float().contiguous(), packed, b, "none", [], ""
         )
-        return out
+        return out.to(x.dtype)
     if (
         x.device.type == "cpu"
-        and x.dtype in _NATIVE_HALF
-        and not _NATIVE_HALF[x.dtype]
+        and emulated_half_matmul(x.dtype)
         and x.numel() >= _UPCAST_MIN_ROWS * x.shape[-1]
     ):
         b = None if bias is None else bias.float()

@@ -19,7 +19,6 @@ from torch import nn
 from kvferry.config import ArchConfig
 from kvferry.model.attention import Attention
 from kvferry.model.layers import (
-    PACKED_MAX_ROWS,
     GatedMLP,
     Linear,
     RMSNorm,
@@ -173,8 +172,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = pack_weight(module.weight.data)
-                if module.weight.stride() != (1, module.weight.shape[0]):
-                    module.weight.data = input_major(module.weight.data)
+                module.weight.data = input_major(module.weight.data)
         if self.tie_word_embeddings:
             self._logits_packed = pack_weight(self.model.embed_tokens.weight.data)
         else:
@@ -197,10 +195,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        packed = self._logits_packed
-        if packed is not None and hidden.dtype != torch.float32:
-            if hidden.shape[0] > PACKED_MAX_ROWS:
-                return linear(hidden, weight).float()
-            # Rounded to the model's dtype like the per-call path, so greedy picks agree.
-            return linear(hidden.float(), weight, packed=packed).to(hidden.dtype).float()
-        return linear(hidden, weight, packed=packed).float()
+        return linear(hidden, weight, packed=self._logits_packed).float()

@@ -94,7 +94,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
         )
     model.eval()
     model.requires_grad_(False)
-    if device.type == "cpu" and model_config.torch_dtype == torch.float32:
+    if cpu_fp32:
         model.optimize_for_cpu_fp32()
     elif device.type == "cpu" and emulated_half_matmul(model_config.torch_dtype):
         model.optimize_for_cpu_emulated_half()
