@@ -27,3 +27,18 @@ def trace_connector() -> bool:
 def trace_connector_file() -> str:
     """KVFERRY_TRACE_FILE: where the connector trace is written (JSON lines)."""
     return os.environ.get("KVFERRY_TRACE_FILE", "kvferry-connector-trace.jsonl")
+
+
+def native_kernels() -> bool:
+    """KVFERRY_NATIVE_KERNELS=0 turns off the C decode-attention kernel on CPU (default on)."""
+    return os.environ.get("KVFERRY_NATIVE_KERNELS", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
+def kernel_cache_dir() -> str | None:
+    """KVFERRY_KERNEL_CACHE: where built kernels are kept (default ~/.cache/kvferry/kernels)."""
+    return os.environ.get("KVFERRY_KERNEL_CACHE") or None

@@ -12,8 +12,19 @@ import kvferry.model.attention as attention_module
 from kvferry.model.attention import Attention
 from kvferry.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.model.native import PagedDecodeKernel, load_paged_decode
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=["torch", "native"])
+def decode_kernel(request: pytest.FixtureRequest) -> PagedDecodeKernel | None:
+    """Each decode test runs on the portable gather + SDPA path and on the C kernel."""
+    if request.param == "torch":
+        return None
+    kernel = load_paged_decode()
+    assert kernel is not None, "the C decode kernel must build here (is a C compiler installed?)"
+    return kernel
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -40,6 +51,7 @@ class Scenario:
         steps: list[tuple[int, int]],  # per request: (context already cached, new tokens)
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        group_decodes: bool = True,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
@@ -64,7 +76,12 @@ class Scenario:
         self.steps = steps
         self.q = [torch.randn(n, heads, head_dim, generator=gen).to(dtype) for _, n in steps]
         self.meta = build_attention_metadata(
-            [n for _, n in steps], [c + n for c, n in steps], self.tables, block_size, CPU
+            [n for _, n in steps],
+            [c + n for c, n in steps],
+            self.tables,
+            block_size,
+            CPU,
+            group_decodes=group_decodes,
         )
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,8 +97,14 @@ class Scenario:
         ]
         return torch.cat(outs).flatten(1)
 
-    def run(self, connector: Any = None, name: str = "layer0") -> torch.Tensor:
+    def run(
+        self,
+        connector: Any = None,
+        name: str = "layer0",
+        kernel: PagedDecodeKernel | None = None,
+    ) -> torch.Tensor:
         attn = Attention(self.heads, self.kv_heads, self.head_dim, layer_name=name)
+        attn.decode_kernel = kernel
         ctx = ForwardContext(self.meta, {name: self.cache}, kv_connector=connector)
         with set_forward_context(ctx):
             return attn(*self.inputs())
@@ -95,10 +118,10 @@ MIXED = [(0, 1), (37, 1), (0, 21), (19, 13), (5, 1), (64, 1), (3, 2), (0, 6), (1
     [(8, 2, 16, 16), (4, 4, 8, 4), (6, 1, 32, 8), (4, 2, 64, 32)],
 )
 def test_mixed_batch_matches_reference(
-    heads: int, kv_heads: int, head_dim: int, block_size: int
+    heads: int, kv_heads: int, head_dim: int, block_size: int, decode_kernel: Any
 ) -> None:
     s = Scenario(heads, kv_heads, head_dim, block_size, MIXED, seed=heads + block_size)
-    out = s.run()
+    out = s.run(kernel=decode_kernel)
     torch.testing.assert_close(out.double(), s.expected(), atol=1e-5, rtol=1e-5)
     # Every token of every request is now in the cache where its block table says.
     flat = s.cache.flatten(1, 2)
@@ -119,14 +142,31 @@ def test_mixed_batch_matches_reference(
         [(0, 1)],  # a one-token prompt
     ],
 )
-def test_single_plan_batches(steps: list[tuple[int, int]]) -> None:
+def test_single_plan_batches(steps: list[tuple[int, int]], decode_kernel: Any) -> None:
     s = Scenario(4, 2, 16, 16, steps, seed=len(steps))
-    torch.testing.assert_close(s.run().double(), s.expected(), atol=1e-5, rtol=1e-5)
+    out = s.run(kernel=decode_kernel)
+    torch.testing.assert_close(out.double(), s.expected(), atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_close_to_reference() -> None:
+def test_bf16_close_to_reference(decode_kernel: Any) -> None:
     s = Scenario(8, 2, 32, 16, MIXED, dtype=torch.bfloat16, seed=3)
-    torch.testing.assert_close(s.run().double(), s.expected(), atol=3e-2, rtol=3e-2)
+    out = s.run(kernel=decode_kernel)
+    torch.testing.assert_close(out.double(), s.expected(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_decodes_in_one_plan(dtype: torch.dtype, decode_kernel: Any) -> None:
+    """An ungrouped batch of decodes of very different lengths (the kernel's layout: with
+    enough requests it takes whole requests per work item), interleaved with prefills."""
+    rng = random.Random(7)
+    steps = [(rng.randrange(0, 300), 1) for _ in range(24)] + [(0, 9), (40, 5)]
+    rng.shuffle(steps)
+    s = Scenario(8, 2, 64, 16, steps, dtype=dtype, seed=7, group_decodes=False)
+    (plan,) = s.meta.decodes
+    assert len(plan.req_indices) == 24
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    out = s.run(kernel=decode_kernel)
+    torch.testing.assert_close(out.double(), s.expected(), atol=tol, rtol=tol)
 
 
 def test_without_metadata_runs_plain_causal_attention() -> None:

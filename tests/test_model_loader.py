@@ -152,9 +152,22 @@ def test_cpu_fp32_weights_are_laid_out_for_gemms(tiny_model_factory: Callable[..
     folder = tiny_model_factory("llama")
     fp32 = load_model(ModelConfig(str(folder), dtype="float32"), torch.device("cpu"))
     proj = fp32.model.layers[0].self_attn.qkv_proj
-    assert proj.weight.stride() == (1, proj.weight.shape[0])  # input-major
     if layers.pack_weight(torch.ones(2, 2)) is not None:
-        assert proj.packed is not None
+        assert proj.packed is not None and proj.weight.is_contiguous()
+    else:
+        assert proj.weight.stride() == (1, proj.weight.shape[0])  # input-major
     bf16 = load_model(ModelConfig(str(folder), dtype="bfloat16"), torch.device("cpu"))
     proj = bf16.model.layers[0].self_attn.qkv_proj
     assert proj.weight.is_contiguous() and proj.packed is None  # half precision: untouched
+
+
+def test_cpu_fp32_without_onednn_uses_input_major_weights(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvferry.model.llama as llama
+
+    monkeypatch.setattr(llama, "pack_weight", lambda w: None)
+    folder = tiny_model_factory("llama")
+    model = load_model(ModelConfig(str(folder), dtype="float32"), torch.device("cpu"))
+    proj = model.model.layers[0].self_attn.qkv_proj
+    assert proj.packed is None and proj.weight.stride() == (1, proj.weight.shape[0])

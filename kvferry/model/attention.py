@@ -14,6 +14,7 @@ from torch import nn
 
 from kvferry.model.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
 from kvferry.model.forward_context import get_forward_context
+from kvferry.model.native import PagedDecodeKernel
 
 
 class _GatherWorkspace:
@@ -72,7 +73,12 @@ class Attention(nn.Module):
     ``wait_for_layer_load(layer_name)`` before the cache is touched, and
     ``save_kv_layer(layer_name, kv_cache, attn_metadata)`` once the new K/V are in the cache
     and attention is computed.
+
+    ``decode_kernel`` (set by the loader on CPU engines) serves decode rows straight from the
+    paged pool; without it they go through a block gather and SDPA.
     """
+
+    decode_kernel: PagedDecodeKernel | None = None
 
     def __init__(
         self,
@@ -162,6 +168,9 @@ class Attention(nn.Module):
         still in cache when attention reads them; one big gather that spills to DRAM is read
         back from DRAM at about the cost of the gather itself.
         """
+        kernel = self.decode_kernel
+        if kernel is not None and kernel.supports(kv_cache, q):
+            return kernel(q, kv_cache, plan.block_table, plan.seq_lens, self.scale)
         nreq, nblocks = plan.block_table.shape
         qg = q.view(nreq, self.num_kv_heads, self.group, self.head_dim)
         mask = plan.additive_mask(q.dtype)

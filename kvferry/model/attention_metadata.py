@@ -33,6 +33,8 @@ class DecodePlan:
     # [num_decodes, 1, 1, num_blocks * block_size] True where a key position is valid; None
     # when every decode uses every gathered position.
     mask: torch.Tensor | None
+    # [num_decodes] int64 sequence lengths (new token included), on the device.
+    seq_lens: torch.Tensor
     _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -93,11 +95,14 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    group_decodes: bool = True,
 ) -> AttentionMetadata:
     """Build the metadata and per-step attention plan for one step.
 
     ``block_tables[i]`` must cover ``seq_lens[i]`` tokens (it may hold more blocks);
     ``query_lens[i]`` must be in ``1 .. seq_lens[i]``. Raises ``ValueError`` otherwise.
+    ``group_decodes=False`` puts all decodes in one plan: for a decode kernel that reads each
+    request's own length from the pool, padding costs nothing and each plan is one call.
     """
     num_reqs = len(query_lens)
     if not (len(seq_lens) == len(block_tables) == num_reqs):
@@ -129,7 +134,11 @@ def build_attention_metadata(
     decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
     decodes = [
         _plan_decodes(group, starts, seq_lens, block_table_cpu, block_size, device)
-        for group in _group_decodes(decode_idx, seq_lens, block_size)
+        for group in (
+            _group_decodes(decode_idx, seq_lens, block_size)
+            if group_decodes
+            else [decode_idx] * bool(decode_idx)
+        )
     ]
     prefills = [
         _plan_prefill(i, starts, query_lens[i], seq_lens[i], block_tables[i], block_size, device)
@@ -196,9 +205,9 @@ def _plan_decodes(
     lens = [seq_lens[i] for i in idx]
     nblocks = -(-max(lens) // block_size)
     width = nblocks * block_size
+    lens_t = torch.tensor(lens, dtype=torch.long)
     mask = None
     if any(n != width for n in lens):
-        lens_t = torch.tensor(lens, dtype=torch.long)
         mask = (torch.arange(width)[None, :] < lens_t[:, None]).view(len(idx), 1, 1, width)
         mask = mask.to(device)
     return DecodePlan(
@@ -207,6 +216,7 @@ def _plan_decodes(
         token_index=None if contiguous else torch.tensor(rows, dtype=torch.long, device=device),
         block_table=block_table[idx, :nblocks].to(device),
         mask=mask,
+        seq_lens=lens_t.to(device),
     )
 
 

@@ -28,6 +28,7 @@ from kvferry.model.layers import (
     linear,
     pack_weight,
 )
+from kvferry.model.native import PagedDecodeKernel
 
 
 class DecoderAttention(nn.Module):
@@ -150,6 +151,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, max_positions)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self._logits_packed: torch.Tensor | None = None
+        self.has_decode_kernel = False
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.layer_names: list[str] = [
@@ -159,24 +161,32 @@ class CausalLM(nn.Module):
     def optimize_for_cpu_fp32(self) -> None:
         """Lay out the fp32 matmul weights for CPU GEMMs (the loader calls this for fp32 on
         CPU; half-precision weights must stay as they are: without native bf16/fp16 GEMMs
-        the transposed layout falls onto a path 20x slower).
+        a transposed layout falls onto a path 20x slower).
 
-        * Dense weights become input-major (the same ``(out, in)`` tensor with strides
-          ``(1, out)``), so ``F.linear`` hands MKL a row-major ``(in, out)`` matrix: up to
-          1.8x faster for steps of a few rows, never slower for large ones.
-        * Each weight also gets a oneDNN-packed copy used for steps of at most
-          :data:`~kvferry.model.layers.PACKED_MAX_ROWS` rows (decode), which streams the
-          weight about twice as fast again. That doubles the memory the fp32 weights take;
-          the logits use a packed copy of the (tied) embedding in the same way.
+        Each weight gets a oneDNN-packed copy used for steps of at most
+        :data:`~kvferry.model.layers.PACKED_MAX_ROWS` rows (decode), which streams the weight
+        about twice as fast as MKL does a plain matrix; that doubles the memory the fp32
+        weights take. The logits use a packed copy of the (tied) embedding in the same way.
+        Larger steps use the dense weight, whose layout makes no measurable difference there.
+        Where this torch has no oneDNN, dense weights become input-major instead (strides
+        ``(1, out)``): MKL then streams them up to 1.8x faster for steps of a few rows.
         """
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = pack_weight(module.weight.data)
-                module.weight.data = input_major(module.weight.data)
+                if module.packed is None:
+                    module.weight.data = input_major(module.weight.data)
         if self.tie_word_embeddings:
             self._logits_packed = pack_weight(self.model.embed_tokens.weight.data)
         else:
             self._logits_packed = self.lm_head.packed
+
+    def set_decode_kernel(self, kernel: PagedDecodeKernel | None) -> None:
+        """Give every attention layer the in-place CPU decode kernel (None: torch path)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.decode_kernel = kernel
+        self.has_decode_kernel = kernel is not None
 
     def optimize_for_cpu_emulated_half(self) -> None:
         """bf16/fp16 weights on a CPU without native half-precision GEMMs (the loader calls

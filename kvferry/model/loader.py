@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 
 from kvferry.config import ArchConfig, ConfigError, ModelConfig
-from kvferry.model.layers import Linear, emulated_half_matmul
+from kvferry.model.layers import emulated_half_matmul
 from kvferry.model.llama import CausalLM
+from kvferry.model.native import PagedDecodeKernel, load_paged_decode
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     cfg = model_config.arch
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions=model_config.max_len)
-    cpu_fp32 = device.type == "cpu" and model_config.torch_dtype == torch.float32
-    _materialize(model, model_config.torch_dtype, device, input_major_linears=cpu_fp32)
+    _materialize(model, model_config.torch_dtype, device)
 
     locations = _tensor_locations(folder)
     used: set[str] = set()
@@ -94,28 +94,22 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
         )
     model.eval()
     model.requires_grad_(False)
-    if cpu_fp32:
+    if device.type == "cpu" and model_config.torch_dtype == torch.float32:
         model.optimize_for_cpu_fp32()
     elif device.type == "cpu" and emulated_half_matmul(model_config.torch_dtype):
         model.optimize_for_cpu_emulated_half()
+    if device.type == "cpu" and model_config.torch_dtype in PagedDecodeKernel.DTYPES:
+        model.set_decode_kernel(load_paged_decode())
     return model
 
 
-def _materialize(
-    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, input_major_linears: bool
-) -> None:
-    """Give every meta parameter uninitialised storage of ``dtype`` on ``device``; with
-    ``input_major_linears`` the matmul weights are laid out input-major from the start, so
-    the checkpoint copy transposes them in the same pass (see
-    :meth:`CausalLM.optimize_for_cpu_fp32`). ``Module.to_empty`` would get there through
-    torch's Python reference ops, which cost most of a second of start-up on first use."""
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter uninitialised storage of ``dtype`` on ``device``.
+    ``Module.to_empty`` would get there through torch's Python reference ops, which cost most
+    of a second of start-up on first use."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            shape = param.shape
-            if input_major_linears and isinstance(module, Linear) and name == "weight":
-                empty = torch.empty_strided(shape, (1, shape[0]), dtype=dtype, device=device)
-            else:
-                empty = torch.empty(shape, dtype=dtype, device=device)
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
 
 

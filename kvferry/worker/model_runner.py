@@ -133,6 +133,7 @@ class ModelRunner:
             block_tables=[self.requests[r].block_ids for r in batch.req_ids],
             block_size=self.block_size,
             device=self.device,
+            group_decodes=not self.model.has_decode_kernel,
         )
         connector = driver.connector if driver is not None else None
         ctx = ForwardContext(attn_metadata, self.kv_caches, connector)
