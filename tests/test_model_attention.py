@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from typing import Any
 
 import pytest
@@ -22,8 +24,10 @@ def decode_kernel(request: pytest.FixtureRequest) -> PagedDecodeKernel | None:
     """Each decode test runs on the portable gather + SDPA path and on the C kernel."""
     if request.param == "torch":
         return None
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler: the decode kernel cannot be built here")
     kernel = load_paged_decode()
-    assert kernel is not None, "the C decode kernel must build here (is a C compiler installed?)"
+    assert kernel is not None, "a C compiler is installed, yet the decode kernel did not build"
     return kernel
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,10 @@ import torch
 from kvferry.config import ModelConfig
 from kvferry.model import native
 from kvferry.model.loader import load_model
+
+needs_cc = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
+)
 
 
 def _build(
@@ -22,6 +28,7 @@ def _build(
     return native.load_paged_decode.__wrapped__()
 
 
+@needs_cc
 def test_built_once_then_reused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert _build(monkeypatch, tmp_path) is not None
     (so,) = tmp_path.glob("paged_decode-*.so")
@@ -44,6 +51,7 @@ def test_no_compiler_falls_back_with_a_warning(
     assert "no C compiler" in caplog.text
 
 
+@needs_cc
 def test_failing_build_falls_back_with_the_compiler_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -56,6 +64,7 @@ def test_failing_build_falls_back_with_the_compiler_error(
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
+@needs_cc
 def test_supports_only_contiguous_cpu_fp32_and_bf16() -> None:
     kernel = native.load_paged_decode()
     assert kernel is not None
@@ -68,6 +77,7 @@ def test_supports_only_contiguous_cpu_fp32_and_bf16() -> None:
     assert not kernel.supports(cache.transpose(2, 3), q)
 
 
+@needs_cc
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_loader_attaches_the_kernel_on_cpu(
     tiny_model_factory: object, dtype: str, monkeypatch: pytest.MonkeyPatch
