@@ -30,7 +30,7 @@ def trace_connector_file() -> str:
 
 
 def native_kernels() -> bool:
-    """KVFERRY_NATIVE_KERNELS=0 turns off the C decode-attention kernel on CPU (default on)."""
+    """KVFERRY_NATIVE_KERNELS=0 turns off the C kernels of ``kvferry.native`` (default on)."""
     return os.environ.get("KVFERRY_NATIVE_KERNELS", "1").strip().lower() not in (
         "0",
         "false",

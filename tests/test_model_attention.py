@@ -14,7 +14,7 @@ import kvferry.model.attention as attention_module
 from kvferry.model.attention import Attention
 from kvferry.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from kvferry.model.forward_context import ForwardContext, set_forward_context
-from kvferry.model.native import PagedDecodeKernel, load_paged_decode
+from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Building, caching and falling back from the C decode-attention kernel."""
+"""The C kernels: building, caching and falling back; the row-copy kernel's contract."""
 
 from __future__ import annotations
 
@@ -7,66 +7,68 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from kvferry.config import ModelConfig
-from kvferry.model import native
 from kvferry.model.loader import load_model
+from kvferry.native import build
+from kvferry.native.block_copy import load_block_copy
+from kvferry.native.paged_decode import load_paged_decode
 
 needs_cc = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
 )
 
 
-def _build(
-    monkeypatch: pytest.MonkeyPatch, cache: Path, **env: str
-) -> native.PagedDecodeKernel | None:
+def _load(monkeypatch: pytest.MonkeyPatch, cache: Path, name: str = "block_copy", **env: str):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("KVFERRY_KERNEL_CACHE", str(cache))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    return native.load_paged_decode.__wrapped__()
+    return build.load_library(name)
 
 
 @needs_cc
 def test_built_once_then_reused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert _build(monkeypatch, tmp_path) is not None
-    (so,) = tmp_path.glob("paged_decode-*.so")
+    assert _load(monkeypatch, tmp_path) is not None
+    (so,) = tmp_path.glob("block_copy-*.so")
     stamp = so.stat().st_mtime_ns
-    assert _build(monkeypatch, tmp_path) is not None
+    build._load.cache_clear()  # a new process: finds the cached file, does not rebuild
+    assert _load(monkeypatch, tmp_path) is not None
     assert [p.name for p in tmp_path.iterdir()] == [so.name]  # no temp files left behind
     assert so.stat().st_mtime_ns == stamp
 
 
 def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert _build(monkeypatch, tmp_path, KVFERRY_NATIVE_KERNELS="0") is None
-    assert not list(tmp_path.iterdir())
+    assert _load(monkeypatch, tmp_path, KVFERRY_NATIVE_KERNELS="0") is None
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
 def test_no_compiler_falls_back_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="kvferry"):
-        assert _build(monkeypatch, tmp_path, CC="kvferry-no-such-cc") is None
+        assert _load(monkeypatch, tmp_path, CC="kvferry-no-such-cc") is None
     assert "no C compiler" in caplog.text
 
 
 @needs_cc
 def test_failing_build_falls_back_with_the_compiler_error(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C;\n")
-    monkeypatch.setattr(native, "_SOURCE", bad)
+    monkeypatch.setenv("KVFERRY_KERNEL_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="kvferry"):
-        assert _build(monkeypatch, tmp_path / "cache") is None
-    assert "failed" in caplog.text and "error" in caplog.text
+        assert build.load_library("bad", bad) is None
+    assert "building the bad kernel failed" in caplog.text and "error" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
 @needs_cc
-def test_supports_only_contiguous_cpu_fp32_and_bf16() -> None:
-    kernel = native.load_paged_decode()
+def test_paged_decode_supports_only_contiguous_cpu_fp32_and_bf16() -> None:
+    kernel = load_paged_decode()
     assert kernel is not None
     cache = torch.zeros(2, 4, 16, 2, 8)
     q = torch.zeros(3, 4, 8)
@@ -79,16 +81,39 @@ def test_supports_only_contiguous_cpu_fp32_and_bf16() -> None:
 
 @needs_cc
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_loader_attaches_the_kernel_on_cpu(
+def test_loader_attaches_the_decode_kernel_on_cpu(
     tiny_model_factory: object, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tiny_model_factory()  # type: ignore[operator]
     model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
     assert model.has_decode_kernel == (dtype != "float16")
     monkeypatch.setenv("KVFERRY_NATIVE_KERNELS", "0")
-    native.load_paged_decode.cache_clear()
-    try:
-        model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
-        assert not model.has_decode_kernel
-    finally:
-        native.load_paged_decode.cache_clear()
+    model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
+    assert not model.has_decode_kernel
+
+
+@needs_cc
+def test_row_copy_merges_runs_and_checks_ids() -> None:
+    kernel = load_block_copy()
+    assert kernel is not None
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(50, 3, 5, generator=g), torch.randn(50, 7, generator=g).double()]
+    dsts = [torch.zeros(40, 3, 5), torch.zeros(40, 7, dtype=torch.float64)]
+    plan = kernel.plan(list(zip(srcs, dsts, strict=True)))
+    src_ids = np.array([3, 4, 5, 6, 40, 41, 0, 49, 17])
+    dst_ids = np.array([10, 11, 12, 13, 0, 1, 39, 2, 20])
+    plan.copy(src_ids, dst_ids, threads=2)
+    for s, d in zip(srcs, dsts, strict=True):
+        assert torch.equal(d[dst_ids], s[src_ids])
+        rest = sorted(set(range(40)) - set(dst_ids.tolist()))
+        assert not d[rest].any()
+    with pytest.raises(IndexError, match="out of range"):
+        plan.copy(np.array([0]), np.array([40]))
+    with pytest.raises(IndexError, match="out of range"):
+        plan.copy(np.array([-1]), np.array([0]))
+    with pytest.raises(ValueError, match="differ in length"):
+        plan.copy(np.array([0, 1]), np.array([0]))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.plan([(srcs[0].transpose(1, 2), dsts[0].transpose(1, 2))])
+    with pytest.raises(ValueError, match="rows differ"):
+        kernel.plan([(srcs[0], torch.zeros(40, 3, 4))])

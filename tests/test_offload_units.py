@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvferry.config import ConfigError
+from kvferry.kv_transfer.offload import host_buffer
 from kvferry.kv_transfer.offload.disk import (
     HEADER,
     CorruptChunk,
@@ -19,7 +20,7 @@ from kvferry.kv_transfer.offload.disk import (
     model_fingerprint,
     scan_folder,
 )
-from kvferry.kv_transfer.offload.host_buffer import HostKVBuffer, coalesce, copy_blocks
+from kvferry.kv_transfer.offload.host_buffer import CopyPool, HostKVBuffer, coalesce, copy_blocks
 from kvferry.kv_transfer.offload.jobs import JobCounter, JobKind, OffloadWorkerMetadata, TransferJob
 from kvferry.kv_transfer.offload.manager import LookupStatus, TieredOffloadingManager
 from kvferry.kv_transfer.offload.options import OffloadingOptions, SimpleCPUOffloadOptions
@@ -269,8 +270,21 @@ def test_coalesce_runs() -> None:
     assert coalesce([1, 2, 3, 9, 5], [7, 8, 9, 10, 0]) == [(1, 7, 3), (9, 10, 1), (5, 0, 1)]
 
 
+@pytest.mark.parametrize("path", ["native", "numpy", "native-split", "numpy-split"])
 @pytest.mark.parametrize("seed", range(4))
-def test_copy_blocks_matches_indexing(seed: int) -> None:
+def test_copy_blocks_matches_indexing(
+    seed: int, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host copies through the C row-copy kernel and through numpy, on the calling thread
+    and split over a pool's threads."""
+    if path.startswith("numpy"):
+        monkeypatch.setattr(host_buffer, "load_block_copy", lambda: None)
+    elif host_buffer.load_block_copy() is None:
+        pytest.skip("no C compiler: the row-copy kernel cannot be built here")
+    pool = None
+    if path.endswith("split"):
+        monkeypatch.setattr(host_buffer, "PARALLEL_COPY_BYTES", 0)
+        pool = CopyPool(2)
     g = torch.Generator().manual_seed(seed)
     src = [torch.randn(2, 40, 4, 1, 2, generator=g) for _ in range(2)]
     dst = [torch.zeros(2, 30, 4, 1, 2) for _ in range(2)]
@@ -282,10 +296,15 @@ def test_copy_blocks_matches_indexing(seed: int) -> None:
     dst_ids = list(dict.fromkeys(dst_ids))[:n]
     src_ids = list(dict.fromkeys(src_ids))[: len(dst_ids)]
     dst_ids = dst_ids[: len(src_ids)]
-    nbytes = copy_blocks(src, dst, src_ids, dst_ids)
-    for s, d in zip(src, dst, strict=True):
+    before = [d.clone() for d in dst]
+    nbytes = copy_blocks(src, dst, src_ids, dst_ids, pool=pool)
+    untouched = [i for i in range(30) if i not in dst_ids]
+    for s, d, b in zip(src, dst, before, strict=True):
         assert torch.equal(d[:, dst_ids], s[:, src_ids])
+        assert torch.equal(d[:, untouched], b[:, untouched])
     assert nbytes == 2 * len(src_ids) * 2 * 4 * 2 * 4
+    if pool is not None:
+        pool.shutdown()
 
 
 def _engine(tmp_path: Path | None = None) -> tuple[TransferEngine, dict[str, torch.Tensor]]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from kvferry.model.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
 from kvferry.model.forward_context import get_forward_context
-from kvferry.model.native import PagedDecodeKernel
+from kvferry.native.paged_decode import PagedDecodeKernel
 
 
 class _GatherWorkspace:

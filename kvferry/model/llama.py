@@ -28,7 +28,7 @@ from kvferry.model.layers import (
     linear,
     pack_weight,
 )
-from kvferry.model.native import PagedDecodeKernel
+from kvferry.native.paged_decode import PagedDecodeKernel
 
 
 class DecoderAttention(nn.Module):

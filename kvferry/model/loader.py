@@ -19,7 +19,7 @@ from safetensors import safe_open
 from kvferry.config import ArchConfig, ConfigError, ModelConfig
 from kvferry.model.layers import emulated_half_matmul
 from kvferry.model.llama import CausalLM
-from kvferry.model.native import PagedDecodeKernel, load_paged_decode
+from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 
 logger = logging.getLogger(__name__)
 

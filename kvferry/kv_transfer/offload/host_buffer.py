@@ -8,7 +8,9 @@ buffer is pinned, so copies run as DMA on a side stream. Memory is reserved with
 
 Copies work on the keys half and the values half of each layer separately: each is a
 contiguous ``(num_blocks, ...)`` tensor, so a run of adjacent block ids on both sides is one
-``memcpy``. Anything else goes through one indexed copy per half.
+``memcpy``. Host-to-host copies use the C row-copy kernel (one call for every half of a job:
+per-half calls cost as much as the bytes for jobs of a few MiB), or numpy where it cannot be
+built; copies to or from a device go through one indexed copy per half.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kvferry.native.block_copy import RowCopyPlan, load_block_copy
 
 # Pairs whose ids are adjacent on both sides for at least this many blocks are copied as a
 # slice; shorter runs are cheaper as part of one indexed copy.
@@ -137,6 +141,8 @@ class BlockCopier:
         )
         self.rows = [(_rows(s), _rows(d)) for s, d in self.halves] if self.on_host else []
         self.pool = pool
+        kernel = load_block_copy() if self.on_host else None
+        self.native: RowCopyPlan | None = None if kernel is None else kernel.plan(self.halves)
 
     def copy(
         self, src_ids: list[int], dst_ids: list[int], keep_alive: list[torch.Tensor] | None = None
@@ -145,8 +151,17 @@ class BlockCopier:
             raise ValueError("src_ids and dst_ids differ in length")
         if not src_ids:
             return 0
-        plan = _Plan.of(src_ids, dst_ids)
         nbytes = len(src_ids) * self.bytes_per_block
+        if self.native is not None:
+            # The kernel brings its own threads (as many as the pool has); small copies stay
+            # on one, as waking the others costs more than they save.
+            threads = 1
+            if self.pool is not None and nbytes >= PARALLEL_COPY_BYTES:
+                threads = self.pool.workers
+            src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+            self.native.copy(src, dst, threads)
+            return nbytes
+        plan = _Plan.of(src_ids, dst_ids)
         if self.on_host:
 
             def run(group: list[tuple[np.ndarray, np.ndarray]]) -> None:

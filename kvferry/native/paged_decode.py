@@ -1,0 +1,101 @@
+"""Decode attention over the paged KV pool, in place (``csrc/paged_decode.c``)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from kvferry.native.build import load_library
+
+_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,  # q
+    ctypes.c_int64,  # q row stride (elements)
+    ctypes.c_void_p,  # cache
+    ctypes.c_int64,  # num_blocks
+    ctypes.c_int64,  # block_size
+    ctypes.c_int64,  # num_kv_heads
+    ctypes.c_int64,  # head_dim
+    ctypes.c_void_p,  # block table
+    ctypes.c_int64,  # block table row stride
+    ctypes.c_void_p,  # lens
+    ctypes.c_int64,  # num_reqs
+    ctypes.c_int64,  # group (query heads per kv head)
+    ctypes.c_float,  # scale
+    ctypes.c_void_p,  # out
+    ctypes.c_int,  # threads
+]
+
+
+class PagedDecodeKernel:
+    """Attention of one query token per request, reading keys and values straight from the
+    pool's blocks (the portable path gathers them into a buffer first, reading every byte
+    twice). :meth:`supports` says whether a layer can use it (CPU, fp32 or bf16, contiguous
+    cache); :meth:`__call__` returns ``[num_reqs, num_heads, head_dim]``.
+    """
+
+    DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {
+            torch.float32: lib.kvf_paged_decode_f32,
+            torch.bfloat16: lib.kvf_paged_decode_bf16,
+        }
+        for fn in self._fns.values():
+            fn.argtypes = _ARGTYPES
+            fn.restype = ctypes.c_int
+
+    def supports(self, kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
+        return (
+            kv_cache.device.type == "cpu"
+            and kv_cache.dtype in self.DTYPES
+            and q.dtype == kv_cache.dtype
+            and kv_cache.is_contiguous()
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q``: ``[num_reqs, num_heads, head_dim]`` whose rows may be strided, heads and
+        head_dim contiguous; ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``;
+        ``block_table``: ``[num_reqs, >= ceil(len / block_size)]`` int64, rows contiguous;
+        ``seq_lens``: ``[num_reqs]`` int64, each >= 1."""
+        nreq, heads, head_dim = q.shape
+        _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        assert block_table.dtype == torch.int64 and block_table.stride(1) == 1
+        assert seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()
+        out = torch.empty((nreq, heads, head_dim), dtype=q.dtype)
+        rc = self._fns[q.dtype](
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            block_table.data_ptr(),
+            block_table.stride(0),
+            seq_lens.data_ptr(),
+            nreq,
+            heads // kv_heads,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("paged decode attention: could not allocate scratch memory")
+        return out
+
+
+def load_paged_decode() -> PagedDecodeKernel | None:
+    """The kernel, built on first use; None where native kernels are off or unbuildable."""
+    lib = load_library("paged_decode")
+    return None if lib is None else PagedDecodeKernel(lib)
