@@ -28,7 +28,8 @@ from kvferry.native.block_copy import RowCopyPlan, load_block_copy
 # slice; shorter runs are cheaper as part of one indexed copy.
 MIN_SLICE_RUN = 4
 # Below this many bytes a copy runs on one thread: handing it out costs more than it saves.
-PARALLEL_COPY_BYTES = 4 << 20
+# (Measured with cold caches, as loads run: a 3 MiB job is latency-bound on one thread.)
+PARALLEL_COPY_BYTES = 1 << 20
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
