@@ -12,7 +12,8 @@ identical work and their outputs can be compared token by token.
 
 Metrics per run: output tokens/s = output tokens / wall time of the timed generate call
 (prefill included, startup and warm-up excluded); startup = process start until the
-backend is loaded and warmed up; peak RSS of the backend's whole process tree. Per row, the
+backend is loaded and warmed up, with the model files and the backend's torch in the page
+cache (the harness reads them just before each launch); peak RSS of the backend's whole process tree. Per row, the
 compute floor = linear-layer FLOPs of all prompt and output tokens / this machine's best
 measured GEMM rate for the dtype, and the tokens/s ceiling it implies.
 
@@ -27,6 +28,7 @@ import fnmatch
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -217,6 +219,22 @@ def backend_env(backend: str, args: argparse.Namespace, kv_gib: int) -> dict[str
     return env
 
 
+def warm_file_cache(python: Path, model_dir: Path) -> None:
+    """Read the model's files and import torch once in ``python`` before a timed launch.
+
+    Startup is meant to measure the engine, not the disk: this machine reclaims page cache
+    that has not been touched for a few minutes, so without this the first backend to load
+    a model (or to import its own torch build) after a while pays for disk reads the next
+    one does not.
+    """
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while fh.read(16 << 20):
+                    pass
+    subprocess.run([str(python), "-c", "import torch"], capture_output=True, timeout=300)
+
+
 def run_backend(
     backend: str,
     row: Row,
@@ -238,6 +256,7 @@ def run_backend(
     else:
         python = Path(sys.executable)
     kv_gib = kv_pool_gib(model_dir, row.dtype, prompts, max_tokens)
+    warm_file_cache(python, model_dir)
     job: dict[str, Any] = {
         "backend": backend,
         "model": str(model_dir),
@@ -406,7 +425,8 @@ def render_report(
         "included). Rows with a same-shape warm-up (--warmup full, or auto for short rows) "
         "time the second run of the row's batch shape; '1st-run gen s' is the first, "
         "untimed one (other token ids, same lengths), which also pays one-off kernel set-up. startup = process launch until the "
-        "backend is loaded and has served a 1-request warm-up. peak RSS = whole process tree "
+        "backend is loaded and has served a 1-request warm-up (model files and the backend's "
+        "torch read into the page cache just before each launch). peak RSS = whole process tree "
         "(kvferry and vLLM allocate their KV-cache pool up front).",
         "floor = linear-layer FLOPs (decoder layers for prompt+output tokens, lm_head for "
         "output tokens) / best measured GEMM rate (for bf16 rows the better of bf16 and "
