@@ -142,7 +142,8 @@ class RunResult:
     status: str  # ok | skipped | unavailable | error | timeout
     message: str = ""
     tokens_per_s: float | None = None
-    gen_s: float | None = None
+    gen_s: float | None = None  # median of the timed runs
+    gen_s_all: list[float] = field(default_factory=list)
     startup_s: float | None = None
     load_s: float | None = None
     warmup_s: float | None = None
@@ -272,6 +273,7 @@ def run_backend(
         "hf_mixed_strategy": "sorted",
         "vllm_enforce_eager": backend != "vllm-compile",
         "warmup": warmup,
+        "timed_reps": args.timed_reps if warmup == "full" else 1,
     }
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-") as tmp:
         job_path, res_path = Path(tmp, "job.json"), Path(tmp, "result.json")
@@ -300,6 +302,7 @@ def run_backend(
         status="ok",
         tokens_per_s=out_tokens / res["gen_s"],
         gen_s=res["gen_s"],
+        gen_s_all=list(res.get("gen_s_all", [res["gen_s"]])),
         startup_s=res["startup_s"],
         load_s=res["load_s"],
         warmup_s=res["warmup_s"],
@@ -423,7 +426,8 @@ def render_report(
     notes = [
         "out tok/s = output tokens / wall time of one generate() over all requests (prefill "
         "included). Rows with a same-shape warm-up (--warmup full, or auto for short rows) "
-        "time the second run of the row's batch shape; '1st-run gen s' is the first, "
+        "time later runs of the row's batch shape (the median of --timed-reps runs); "
+        "'1st-run gen s' is the first, "
         "untimed one (other token ids, same lengths), which also pays one-off kernel set-up. startup = process launch until the "
         "backend is loaded and has served a 1-request warm-up (model files and the backend's "
         "torch read into the page cache just before each launch). peak RSS = whole process tree "
@@ -530,6 +534,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "run would double the time",
     )
     ap.add_argument(
+        "--timed-reps",
+        type=int,
+        default=3,
+        help="timed generate() runs per backend on rows with a full warm-up (the short rows, "
+        "a few seconds each, where a moment of interference on the host moves one run by "
+        "30%%); the median is reported, the first run uses the row's own prompts and the "
+        "others same-shape prompts with other token ids (default: 3)",
+    )
+    ap.add_argument(
         "--preload",
         choices=["vllm", "all", "none"],
         default="all",
@@ -548,7 +561,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true", help="echo the workers' stderr")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.timed_reps < 1:
+        ap.error("--timed-reps must be at least 1")
+    return args
 
 
 def log(msg: str) -> None:
