@@ -132,13 +132,13 @@ def build_attention_metadata(
     slots = block_table_cpu[req_of_tok, pos // block_size] * block_size + pos % block_size
 
     decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
+    if group_decodes:
+        groups = _group_decodes(decode_idx, seq_lens, block_size)
+    else:
+        groups = [decode_idx] if decode_idx else []
     decodes = [
         _plan_decodes(group, starts, seq_lens, block_table_cpu, block_size, device)
-        for group in (
-            _group_decodes(decode_idx, seq_lens, block_size)
-            if group_decodes
-            else [decode_idx] * bool(decode_idx)
-        )
+        for group in groups
     ]
     prefills = [
         _plan_prefill(i, starts, query_lens[i], seq_lens[i], block_tables[i], block_size, device)
