@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def _flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "1" if default else "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def log_level() -> str:
@@ -31,12 +32,7 @@ def trace_connector_file() -> str:
 
 def native_kernels() -> bool:
     """KVFERRY_NATIVE_KERNELS=0 turns off the C kernels of ``kvferry.native`` (default on)."""
-    return os.environ.get("KVFERRY_NATIVE_KERNELS", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    return _flag("KVFERRY_NATIVE_KERNELS", default=True)
 
 
 def kernel_cache_dir() -> str | None:

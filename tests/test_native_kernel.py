@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -22,7 +23,9 @@ needs_cc = pytest.mark.skipif(
 )
 
 
-def _load(monkeypatch: pytest.MonkeyPatch, cache: Path, name: str = "block_copy", **env: str):  # type: ignore[no-untyped-def]
+def _load(
+    monkeypatch: pytest.MonkeyPatch, cache: Path, name: str = "block_copy", **env: str
+) -> ctypes.CDLL | None:
     monkeypatch.setenv("KVFERRY_KERNEL_CACHE", str(cache))
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -140,10 +140,12 @@ class BlockCopier:
         self.on_host = all(
             s.device.type == "cpu" and d.device.type == "cpu" for s, d in self.halves
         )
-        self.rows = [(_rows(s), _rows(d)) for s, d in self.halves] if self.on_host else []
         self.pool = pool
         kernel = load_block_copy() if self.on_host else None
         self.native: RowCopyPlan | None = None if kernel is None else kernel.plan(self.halves)
+        # numpy views, for host copies where the kernel could not be built
+        host_fallback = self.on_host and self.native is None
+        self.rows = [(_rows(s), _rows(d)) for s, d in self.halves] if host_fallback else []
 
     def copy(
         self, src_ids: list[int], dst_ids: list[int], keep_alive: list[torch.Tensor] | None = None

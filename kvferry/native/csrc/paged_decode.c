@@ -3,9 +3,10 @@
  *
  * Each request has one query token; its keys and values are read in place from the blocks
  * named by its block-table row, so nothing is gathered into a staging buffer first (with a
- * gather, every byte of context is read, written and read again). Work items are
- * (request, kv head) pairs, spread over OpenMP threads; the query heads that share a kv head
- * are served by one pass over its keys and values.
+ * gather, every byte of context is read, written and read again). Work items are whole
+ * requests, or (request, kv head) pairs when there are too few requests to keep every
+ * thread busy, spread over OpenMP threads; the query heads that share a kv head are served
+ * by one pass over its keys and values.
  *
  * Layouts (all C-contiguous except q's row stride):
  *   q      [num_reqs, num_heads, head_dim], row r at q + r * q_row_stride
