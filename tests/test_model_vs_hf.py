@@ -134,11 +134,16 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(5, 2048, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-ops"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_matches_hf(case: str, checkpoint: Callable[[str], Path]) -> None:
+def test_prefill_matches_hf(case: str, native: bool, checkpoint: Callable[[str], Path]) -> None:
     folder = checkpoint(case)
     ids = prompt(45)
-    ours = PagedRunner(load(folder))
+    model = load(folder)
+    if not native:
+        model.set_fused_ops(None)
+        model.set_decode_kernel(None)
+    ours = PagedRunner(model)
     ours.add("a", ids)
     got = ours.step([("a", len(ids))])["a"]
     ref = hf_logits(folder, ids, torch.float32)

@@ -11,11 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvferry.config import ModelConfig
+from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from kvferry.model.loader import load_model
 from kvferry.native import build
 from kvferry.native.block_copy import load_block_copy
+from kvferry.native.fused_ops import load_fused_ops
 from kvferry.native.paged_decode import load_paged_decode
 
 needs_cc = pytest.mark.skipif(
@@ -120,3 +123,71 @@ def test_row_copy_merges_runs_and_checks_ids() -> None:
         kernel.plan([(srcs[0].transpose(1, 2), dsts[0].transpose(1, 2))])
     with pytest.raises(ValueError, match="rows differ"):
         kernel.plan([(srcs[0], torch.zeros(40, 3, 4))])
+
+
+@needs_cc
+@pytest.mark.parametrize("rows", [1, 7, 64, 600])  # 600 x 256 takes the threaded path
+def test_fused_ops_match_the_torch_ops(rows: int) -> None:
+    ops = load_fused_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows)
+    dim, heads, head_dim = 256, 6, 64
+    weight = 1.0 + 0.2 * torch.randn(dim, generator=gen)
+    norm = RMSNorm(dim, eps=1e-5)
+    norm.weight.data = weight
+    # Strided rows: views into wider buffers, as the layers pass them.
+    x = torch.randn(rows, dim + 32, generator=gen)[:, :dim]
+    residual = torch.randn(rows, dim + 8, generator=gen)[:, 8:]
+    want_sum = x + residual
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), norm(x), atol=1e-5, rtol=1e-5)
+    before = residual.clone()
+    got = ops.add_rms_norm_(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(got, norm(want_sum), atol=1e-5, rtol=1e-5)
+    assert not torch.equal(residual, before)
+
+    qkv = torch.randn(rows, (heads + 2) * head_dim, generator=gen)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    qk = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    want = apply_rotary(qk, cos, sin)
+    tail = qkv[:, heads * head_dim :].clone()
+    assert ops.rotary_(qk, cos, sin) is qk
+    torch.testing.assert_close(qk, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, heads * head_dim :], tail)  # the v part is untouched
+
+    gate_up = torch.randn(rows, 2 * 688 + 16, generator=gen)[:, : 2 * 688]
+    want_act = F.silu(gate_up[:, :688]) * gate_up[:, 688:]
+    torch.testing.assert_close(ops.silu_mul(gate_up), want_act, atol=1e-5, rtol=1e-5)
+
+
+@needs_cc
+def test_fused_ops_serve_only_fp32_cpu_rows() -> None:
+    ops = load_fused_ops()
+    assert ops is not None
+    x = torch.zeros(4, 8)
+    assert ops.supports(x) and ops.supports(torch.zeros(4, 16)[:, :8])
+    assert not ops.supports(x.bfloat16()) and not ops.supports(x.t()) and not ops.supports(x[None])
+    h = torch.zeros(4, 3, 8)
+    assert ops.supports_heads(h) and ops.supports_heads(torch.zeros(4, 40)[:, :24].view(4, 3, 8))
+    assert not ops.supports_heads(h.transpose(0, 1)) and not ops.supports_heads(h.half())
+    # Through the layers: a bf16 norm keeps the torch ops (HF's rounding after every op).
+    norm = RMSNorm(8).bfloat16()
+    norm.fused = ops
+    xb = torch.randn(4, 8).bfloat16()
+    torch.testing.assert_close(norm(xb), RMSNorm(8).bfloat16()(xb), atol=0, rtol=0)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loader_attaches_fused_ops_to_fp32_cpu_models(
+    tiny_model_factory: object, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tiny_model_factory()  # type: ignore[operator]
+    model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all((m.fused is not None) == (dtype == "float32") for m in norms)
+    monkeypatch.setenv("KVFERRY_NATIVE_KERNELS", "0")
+    model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
+    assert all(m.fused is None for m in model.modules() if isinstance(m, RMSNorm))

@@ -14,14 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.native.fused_ops import FusedOps
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in fp32 like HF.
 
     ``add_norm(x, residual)`` is the fused form used between sub-layers: it adds ``residual``
     to ``x`` in the input dtype (as HF's decoder layers do) and returns
-    ``(norm(x + residual), x + residual)``; the sum is the next residual stream.
+    ``(norm(x + residual), x + residual)``; the sum is the next residual stream. With
+    ``fused`` ops (fp32 CPU models) the sum is written into ``residual`` itself, so callers
+    must own that tensor.
     """
+
+    fused: FusedOps | None = None
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -29,6 +35,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.supports(x):
+            return self.fused.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -36,6 +44,8 @@ class RMSNorm(nn.Module):
     def add_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and self.fused.supports(x) and self.fused.supports(residual):
+            return self.fused.add_rms_norm_(x, residual, self.weight, self.eps), residual
         x = x + residual
         return self.forward(x), x
 
@@ -118,10 +128,16 @@ class RotaryEmbedding(nn.Module):
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: FusedOps | None = None
+) -> torch.Tensor:
     """Rotate ``x`` of shape ``[num_tokens, heads, head_dim]`` by the half-width ``cos``/``sin``
     from :meth:`RotaryEmbedding.cos_sin`; returns a new contiguous tensor. Same products and
-    sums as HF's ``x * cos + rotate_half(x) * sin``, written into one output without a concat."""
+    sums as HF's ``x * cos + rotate_half(x) * sin``, written into one output without a concat.
+    With ``fused`` ops and an fp32 CPU ``x`` whose heads are contiguous, ``x`` is rotated in
+    place and returned instead."""
+    if fused is not None and fused.supports_heads(x) and cos.dtype == torch.float32:
+        return fused.rotary_(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -227,7 +243,10 @@ class Linear(nn.Linear):
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (and the
+    activation into one pass with ``fused`` ops)."""
+
+    fused: FusedOps | None = None
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
@@ -237,5 +256,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.fused is not None and self.fused.supports(gate_up):
+            return self.down_proj(self.fused.silu_mul(gate_up))
         gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
         return self.down_proj(F.silu(gate) * up)

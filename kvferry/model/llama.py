@@ -28,10 +28,13 @@ from kvferry.model.layers import (
     linear,
     pack_weight,
 )
+from kvferry.native.fused_ops import FusedOps
 from kvferry.native.paged_decode import PagedDecodeKernel
 
 
 class DecoderAttention(nn.Module):
+    fused: FusedOps | None = None
+
     def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -61,16 +64,17 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             q_raw = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
             k_raw = qkv[:, self.q_size : self.q_size + self.kv_size]
-            q = apply_rotary(self.q_norm(q_raw), cos, sin)
+            q = apply_rotary(self.q_norm(q_raw), cos, sin, self.fused)
             k = apply_rotary(
                 self.k_norm(k_raw.view(n, self.num_kv_heads, self.head_dim)),
                 cos,
                 sin,
+                self.fused,
             )
         else:
             # q and k heads sit side by side in qkv, so one rotary call covers both.
             qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
-            qk = apply_rotary(qk, cos, sin)
+            qk = apply_rotary(qk, cos, sin, self.fused)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q, k, v)
         return self.o_proj(out)
@@ -187,6 +191,13 @@ class CausalLM(nn.Module):
             if isinstance(module, Attention):
                 module.decode_kernel = kernel
         self.has_decode_kernel = kernel is not None
+
+    def set_fused_ops(self, ops: FusedOps | None) -> None:
+        """Give the norms, rotary embeddings and MLP activations the one-pass CPU kernels
+        (None: torch ops). They serve fp32 tensors only; others keep the torch ops."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
+                module.fused = ops
 
     def optimize_for_cpu_emulated_half(self) -> None:
         """bf16/fp16 weights on a CPU without native half-precision GEMMs (the loader calls

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from kvferry.config import ArchConfig, ConfigError, ModelConfig
 from kvferry.model.layers import emulated_half_matmul
 from kvferry.model.llama import CausalLM
+from kvferry.native.fused_ops import load_fused_ops
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     model.requires_grad_(False)
     if device.type == "cpu" and model_config.torch_dtype == torch.float32:
         model.optimize_for_cpu_fp32()
+        model.set_fused_ops(load_fused_ops())
     elif device.type == "cpu" and emulated_half_matmul(model_config.torch_dtype):
         model.optimize_for_cpu_emulated_half()
     if device.type == "cpu" and model_config.torch_dtype in PagedDecodeKernel.DTYPES:
