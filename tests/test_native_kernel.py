@@ -16,10 +16,13 @@ import torch.nn.functional as F
 from kvferry.config import ModelConfig
 from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from kvferry.model.loader import load_model
+from kvferry.model.sampler import Sampler, SamplingRow
 from kvferry.native import build
+from kvferry.native.argmax import load_argmax
 from kvferry.native.block_copy import load_block_copy
 from kvferry.native.fused_ops import load_fused_ops
 from kvferry.native.paged_decode import load_paged_decode
+from kvferry.sampling_params import SamplingParams
 
 needs_cc = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
@@ -191,3 +194,38 @@ def test_loader_attaches_fused_ops_to_fp32_cpu_models(
     monkeypatch.setenv("KVFERRY_NATIVE_KERNELS", "0")
     model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
     assert all(m.fused is None for m in model.modules() if isinstance(m, RMSNorm))
+
+
+@needs_cc
+def test_argmax_matches_torch_including_ties_and_strided_rows() -> None:
+    kernel = load_argmax()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(0)
+    for rows, cols in [(1, 1), (3, 7), (64, 2048), (5, 40000)]:  # the last one is threaded
+        x = torch.randn(rows, cols + 3, generator=gen)[:, :cols]
+        assert kernel.supports(x)
+        assert torch.equal(kernel(x), x.argmax(-1))
+    ties = torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -3.0, -1.0, -2.0]])
+    assert kernel(ties).tolist() == [1, 0, 0] == ties.argmax(-1).tolist()
+    inf = torch.full((2, 9), float("-inf"))
+    inf[1, 4] = float("inf")
+    assert kernel(inf).tolist() == [0, 4]
+    nan = torch.randn(2, 100, generator=gen)
+    nan[0, 10] = float("nan")
+    assert all(0 <= i < 100 for i in kernel(nan).tolist())  # garbage in, an index out
+    assert (
+        not kernel.supports(x.double())
+        and not kernel.supports(x.t())
+        and not kernel.supports(torch.zeros(3, 0))
+    )
+
+
+@needs_cc
+def test_sampler_with_the_argmax_kernel_picks_the_same_tokens() -> None:
+    kernel = load_argmax()
+    logits = torch.randn(16, 3000, generator=torch.Generator().manual_seed(1))
+    rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=2), None) for _ in range(16)]
+    plain = Sampler(torch.Generator().manual_seed(0))(logits, rows)
+    fast = Sampler(torch.Generator().manual_seed(0), argmax=kernel)(logits, rows)
+    assert fast.token_ids == plain.token_ids == logits.argmax(-1).tolist()
+    assert fast.logprobs == plain.logprobs

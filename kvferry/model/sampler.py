@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.native.argmax import ArgmaxKernel
 from kvferry.sampling_params import SamplingParams
 
 
@@ -29,12 +30,18 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    """``argmax``: a faster greedy pick for CPU logits (same indices as ``torch.argmax``)."""
+
+    def __init__(self, generator: torch.Generator, argmax: ArgmaxKernel | None = None) -> None:
         self.generator = generator
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        if self.argmax is not None and self.argmax.supports(logits):
+            tokens = self.argmax(logits)
+        else:
+            tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             tokens = tokens.clone()

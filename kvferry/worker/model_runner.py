@@ -17,6 +17,7 @@ from kvferry.core.sched_output import SchedulerOutput
 from kvferry.model.attention_metadata import build_attention_metadata
 from kvferry.model.forward_context import ForwardContext, set_forward_context
 from kvferry.model.sampler import Sampler, SamplingRow
+from kvferry.native.argmax import load_argmax
 from kvferry.sampling_params import SamplingParams
 from kvferry.worker.kv_connector import KVConnectorDriver
 from kvferry.worker.runner_output import ModelRunnerOutput
@@ -59,7 +60,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(seed))
+        self.sampler = Sampler(
+            torch.Generator(device="cpu").manual_seed(seed),
+            argmax=load_argmax() if device.type == "cpu" else None,
+        )
         # Drives the worker-side KV connector around each step (None without a connector).
         self.kv_driver: KVConnectorDriver | None = None
 
