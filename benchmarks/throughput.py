@@ -28,11 +28,12 @@ import fnmatch
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,7 @@ class RunResult:
     tokens_per_s: float | None = None
     gen_s: float | None = None  # median of the timed runs
     gen_s_all: list[float] = field(default_factory=list)
+    round_gen_s: list[float] = field(default_factory=list)  # per launch, with --rounds > 1
     startup_s: float | None = None
     load_s: float | None = None
     warmup_s: float | None = None
@@ -320,6 +322,33 @@ def run_backend(
     return result
 
 
+def merge_rounds(rounds: list[RunResult]) -> RunResult:
+    """One result from a backend's launches of a row (``--rounds``): medians of the timed
+    runs of every launch and of the startups, the largest peak RSS, the first launch's
+    outputs. A failed launch stands for the whole backend."""
+    failed = [r for r in rounds if r.status != "ok"]
+    if failed or len(rounds) == 1:
+        return failed[0] if failed else rounds[0]
+    first = rounds[0]
+    times = [t for r in rounds for t in r.gen_s_all]
+    gen_s = statistics.median(times)
+    assert first.output_tokens is not None
+    cold = [r.cold_gen_s for r in rounds if r.cold_gen_s is not None]
+    other = [r.other_cpu_frac for r in rounds if r.other_cpu_frac is not None]
+    return replace(
+        first,
+        gen_s=gen_s,
+        tokens_per_s=first.output_tokens / gen_s,
+        gen_s_all=times,
+        round_gen_s=[r.gen_s for r in rounds if r.gen_s is not None],
+        startup_s=statistics.median(r.startup_s for r in rounds if r.startup_s is not None),
+        cold_gen_s=statistics.median(cold) if cold else None,
+        other_cpu_frac=max(other) if other else None,
+        peak_rss_bytes=max(r.peak_rss_bytes or 0 for r in rounds),
+        notes=list(dict.fromkeys(n for r in rounds for n in r.notes)),
+    )
+
+
 # ---------------------------------------------------------------------------
 # Agreement of greedy outputs
 # ---------------------------------------------------------------------------
@@ -441,6 +470,12 @@ def render_report(
         "and the mean matched prefix. Random weights give near-tied logits, so bf16 (and "
         "rarely fp32) runs can diverge without a bug.",
     ]
+    if args.rounds > 1:
+        notes.append(
+            f"each backend was launched {args.rounds} times per row, in alternating order; "
+            "gen s is the median over the timed runs of all launches, startup the median "
+            "startup, peak RSS the largest."
+        )
     if any(r.mixed_range for r in rows) and "hf" in backends:
         notes.append(f"mixed rows: {HF_MIXED_NOTE}")
     seen: dict[str, None] = {}
@@ -543,6 +578,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "others same-shape prompts with other token ids (default: 3)",
     )
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="launch every backend this many times per row, in alternating order, and report "
+        "the median over all their timed runs: this machine's speed drifts by 20-30%% over "
+        "minutes, which one launch per backend turns into a ratio error (default: 1)",
+    )
+    ap.add_argument(
         "--preload",
         choices=["vllm", "all", "none"],
         default="all",
@@ -564,6 +607,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.timed_reps < 1:
         ap.error("--timed-reps must be at least 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     return args
 
 
@@ -640,19 +685,25 @@ def main(argv: list[str] | None = None) -> int:
         warmup = args.warmup
         if warmup == "auto":
             warmup = "full" if floor_s < WARMUP_AUTO_FLOOR_S else "short"
-        results: dict[str, RunResult] = {}
-        for backend in backends:
-            log(f"[run] {row.name} {backend} ...")
-            res = run_backend(backend, row, model_dir, prompts, max_tokens, vocab, warmup, args)
-            results[backend] = res
-            if res.status == "ok":
-                log(
-                    f"[run] {row.name} {backend}: {res.tokens_per_s:.1f} tok/s, "
-                    f"gen {res.gen_s:.2f}s, startup {res.startup_s:.1f}s, "
-                    f"peak RSS {fmt_bytes(res.peak_rss_bytes)}"
-                )
-            else:
-                log(f"[run] {row.name} {backend}: {res.status.upper()}: {res.message}")
+        runs: dict[str, list[RunResult]] = {b: [] for b in backends}
+        for rnd in range(args.rounds):
+            # Alternate the order so that neither backend always runs first after a change.
+            for backend in backends if rnd % 2 == 0 else backends[::-1]:
+                if runs[backend] and runs[backend][-1].status != "ok":
+                    continue
+                tag = f"{row.name} {backend}" + (f" round {rnd + 1}" if args.rounds > 1 else "")
+                log(f"[run] {tag} ...")
+                res = run_backend(backend, row, model_dir, prompts, max_tokens, vocab, warmup, args)
+                runs[backend].append(res)
+                if res.status == "ok":
+                    log(
+                        f"[run] {tag}: {res.tokens_per_s:.1f} tok/s, "
+                        f"gen {res.gen_s:.2f}s, startup {res.startup_s:.1f}s, "
+                        f"peak RSS {fmt_bytes(res.peak_rss_bytes)}"
+                    )
+                else:
+                    log(f"[run] {tag}: {res.status.upper()}: {res.message}")
+        results = {b: merge_rounds(rs) for b, rs in runs.items()}
         ok = {b: res for b, res in results.items() if res.status == "ok" and res.token_ids}
         ref_backend = "hf" if "hf" in ok else next(iter(ok), None)
         agree: dict[str, dict[str, Any]] = {}
