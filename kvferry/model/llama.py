@@ -194,7 +194,8 @@ class CausalLM(nn.Module):
 
     def set_fused_ops(self, ops: FusedOps | None) -> None:
         """Give the norms, rotary embeddings and MLP activations the one-pass CPU kernels
-        (None: torch ops). They serve fp32 tensors only; others keep the torch ops."""
+        (None: torch ops). They serve fp32 tensors only; others keep the torch ops. Inference
+        only: the kernels write through raw pointers, out of autograd's sight."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
                 module.fused = ops

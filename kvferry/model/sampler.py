@@ -30,7 +30,8 @@ class SamplerOutput:
 
 
 class Sampler:
-    """``argmax``: a faster greedy pick for CPU logits (same indices as ``torch.argmax``)."""
+    """Picks each row's next token from its fp32 logits. ``argmax`` (CPU engines): a faster
+    greedy pick that returns the same indices as ``torch.argmax``."""
 
     def __init__(self, generator: torch.Generator, argmax: ArgmaxKernel | None = None) -> None:
         self.generator = generator
