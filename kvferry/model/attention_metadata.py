@@ -13,9 +13,13 @@ precomputes an execution plan, so each layer only runs tensor ops:
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
+
+from kvferry.model.long_tensor import long_tensor
 
 
 @dataclass
@@ -30,21 +34,32 @@ class DecodePlan:
     token_index: torch.Tensor | None
     # [num_decodes, num_blocks] block ids, padded with block 0 (masked out).
     block_table: torch.Tensor
-    # [num_decodes, 1, 1, num_blocks * block_size] True where a key position is valid; None
-    # when every decode uses every gathered position.
-    mask: torch.Tensor | None
     # [num_decodes] int64 sequence lengths (new token included), on the device.
     seq_lens: torch.Tensor
+    # Key positions covered by block_table (num_blocks * block_size).
+    width: int
     _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[num_decodes, 1, 1, width] True where a key position is valid; None when every
+        decode uses every position. Built on first use: only the gather + SDPA path reads
+        it (a decode kernel reads ``seq_lens``)."""
+        if bool((self.seq_lens == self.width).all()):
+            return None
+        n = self.seq_lens.shape[0]
+        positions = torch.arange(self.width, device=self.seq_lens.device)
+        return (positions[None, :] < self.seq_lens[:, None]).view(n, 1, 1, self.width)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The mask as 0 / -inf in ``dtype``, converted once per step rather than per layer."""
-        if self.mask is None:
+        mask = self.mask
+        if mask is None:
             return None
         m = self._float_masks.get(dtype)
         if m is None:
-            m = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            m.masked_fill_(~self.mask, float("-inf"))
+            m = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            m.masked_fill_(~mask, float("-inf"))
             self._float_masks[dtype] = m
         return m
 
@@ -115,21 +130,12 @@ def build_attention_metadata(
                 f"request {i}: {len(bt)} blocks of {block_size} cannot hold {s} tokens"
             )
 
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
+    starts = list(itertools.accumulate(query_lens, initial=0))
     num_tokens = starts[-1]
     max_blocks = max((len(bt) for bt in block_tables), default=0)
-    padded = [bt + [0] * (max_blocks - len(bt)) for bt in block_tables]
-    block_table_cpu = torch.tensor(padded, dtype=torch.long).reshape(num_reqs, max_blocks)
-
-    # Slot of every new token, vectorised: row -> (request, position) -> block -> slot.
-    q_t = torch.tensor(query_lens, dtype=torch.long)
-    ctx_t = torch.tensor(seq_lens, dtype=torch.long) - q_t
-    req_of_tok = torch.repeat_interleave(torch.arange(num_reqs), q_t)
-    start_t = torch.tensor(starts[:-1], dtype=torch.long)
-    pos = torch.arange(num_tokens) - start_t[req_of_tok] + ctx_t[req_of_tok]
-    slots = block_table_cpu[req_of_tok, pos // block_size] * block_size + pos % block_size
+    padded = itertools.chain.from_iterable(bt + [0] * (max_blocks - len(bt)) for bt in block_tables)
+    block_table_cpu = long_tensor(padded).view(num_reqs, max_blocks)
+    slots = long_tensor(_slot_mapping(query_lens, seq_lens, block_tables, block_size))
 
     decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
     if group_decodes:
@@ -192,6 +198,23 @@ def _group_decodes(idx: list[int], seq_lens: list[int], block_size: int) -> list
     return groups
 
 
+def _slot_mapping(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[int]:
+    """Where each new token's K/V goes, in batch order: one ``range`` per block touched, so
+    the cost follows blocks, not tokens (plain Python beats a dozen small tensor ops here)."""
+    slots: list[int] = []
+    for q, seq_len, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
+        pos = seq_len - q
+        while pos < seq_len:
+            block, offset = divmod(pos, block_size)
+            n = min(seq_len - pos, block_size - offset)
+            base = blocks[block] * block_size + offset
+            slots.extend(range(base, base + n))
+            pos += n
+    return slots
+
+
 def _plan_decodes(
     idx: list[int],
     starts: list[int],
@@ -204,19 +227,15 @@ def _plan_decodes(
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     lens = [seq_lens[i] for i in idx]
     nblocks = -(-max(lens) // block_size)
-    width = nblocks * block_size
-    lens_t = torch.tensor(lens, dtype=torch.long)
-    mask = None
-    if any(n != width for n in lens):
-        mask = (torch.arange(width)[None, :] < lens_t[:, None]).view(len(idx), 1, 1, width)
-        mask = mask.to(device)
+    everyone = len(idx) == block_table.shape[0]  # idx is sorted: all requests, in order
+    table = block_table[:, :nblocks] if everyone else block_table[idx, :nblocks]
     return DecodePlan(
         req_indices=idx,
         token_range=(rows[0], rows[0] + len(rows)) if contiguous else None,
-        token_index=None if contiguous else torch.tensor(rows, dtype=torch.long, device=device),
-        block_table=block_table[idx, :nblocks].to(device),
-        mask=mask,
-        seq_lens=lens_t.to(device),
+        token_index=None if contiguous else long_tensor(rows, device),
+        block_table=table.to(device),
+        seq_lens=long_tensor(lens, device),
+        width=nblocks * block_size,
     )
 
 
@@ -233,7 +252,7 @@ def _plan_prefill(
     block_ids = mask = None
     if ctx > 0:
         nblocks = -(-seq_len // block_size)
-        block_ids = torch.tensor(blocks[:nblocks], dtype=torch.long, device=device)
+        block_ids = long_tensor(blocks[:nblocks], device)
         # Query row r sits at position ctx + r and may see keys 0 .. ctx + r.
         keys = torch.arange(seq_len, device=device)
         mask = keys[None, :] <= (torch.arange(q, device=device) + ctx)[:, None]

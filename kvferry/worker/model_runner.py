@@ -8,6 +8,7 @@ so only block ids and counts travel from the scheduler for requests already know
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from kvferry.core.sched_output import SchedulerOutput
 from kvferry.model.attention_metadata import build_attention_metadata
 from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.model.long_tensor import long_tensor
 from kvferry.model.sampler import Sampler, SamplingRow
 from kvferry.native.argmax import load_argmax
 from kvferry.sampling_params import SamplingParams
@@ -115,8 +117,8 @@ class ModelRunner:
                 sample_rows.append(row)
         return StepBatch(
             req_ids=req_ids,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            input_ids=long_tensor(ids, self.device),
+            positions=long_tensor(pos, self.device),
             query_lens=query_lens,
             seq_lens=seq_lens,
             sample_rows=sample_rows,
@@ -161,9 +163,12 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(batch.req_ids)
         if batch.sample_rows:
-            ends = torch.tensor(batch.query_lens, device=hidden.device).cumsum(0) - 1
-            last = ends[torch.tensor(batch.sample_rows, device=hidden.device)]
-            logits = self.model.compute_logits(hidden[last])
+            ends = list(itertools.accumulate(batch.query_lens))
+            last = [ends[r] - 1 for r in batch.sample_rows]
+            if len(last) == hidden.shape[0]:  # every row is a sampled decode: all of hidden
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = self.model.compute_logits(hidden[long_tensor(last, hidden.device)])
             states = [self.requests[batch.req_ids[r]] for r in batch.sample_rows]
             rows = [SamplingRow(s.sampling_params, s.generator) for s in states]
             out = self.sampler(logits, rows)
