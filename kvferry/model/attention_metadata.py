@@ -36,8 +36,10 @@ class DecodePlan:
     block_table: torch.Tensor
     # [num_decodes] int64 sequence lengths (new token included), on the device.
     seq_lens: torch.Tensor
-    # Key positions covered by block_table (num_blocks * block_size).
+    # Key positions covered by block_table (num_blocks * block_size), and whether some
+    # decode uses fewer (then the torch path needs a mask).
     width: int
+    padded: bool
     _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -45,7 +47,7 @@ class DecodePlan:
         """[num_decodes, 1, 1, width] True where a key position is valid; None when every
         decode uses every position. Built on first use: only the gather + SDPA path reads
         it (a decode kernel reads ``seq_lens``)."""
-        if bool((self.seq_lens == self.width).all()):
+        if not self.padded:
             return None
         n = self.seq_lens.shape[0]
         positions = torch.arange(self.width, device=self.seq_lens.device)
@@ -236,6 +238,7 @@ def _plan_decodes(
         block_table=table.to(device),
         seq_lens=long_tensor(lens, device),
         width=nblocks * block_size,
+        padded=any(n != nblocks * block_size for n in lens),
     )
 
 
