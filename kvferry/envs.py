@@ -38,3 +38,9 @@ def native_kernels() -> bool:
 def kernel_cache_dir() -> str | None:
     """KVFERRY_KERNEL_CACHE: where built kernels are kept (default ~/.cache/kvferry/kernels)."""
     return os.environ.get("KVFERRY_KERNEL_CACHE") or None
+
+
+def kv_pool_prefault() -> bool:
+    """KVFERRY_KV_POOL_PREFAULT=1: a CPU engine writes its whole KV pool at start-up, so the
+    memory is resident before the first request (default: pages are taken on first use)."""
+    return _flag("KVFERRY_KV_POOL_PREFAULT")

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from kvferry import envs
 from kvferry.config import ConfigError, EngineConfig
 from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorRole
@@ -48,7 +49,9 @@ def zeroed_kv_tensor(
     On CPU the tensor lives in its own anonymous memory map, which the OS hands out zeroed,
     page by page on first write: start-up does not pay for zeroing a pool up front (about
     0.4 s per GiB here, on a pool sized for the whole run), each block's pages are paid for
-    when the block is first used, and RSS grows with the blocks in use. Transparent huge
+    when the block is first used, and RSS grows with the blocks in use
+    (``KVFERRY_KV_POOL_PREFAULT=1`` takes every page at start-up instead, for hosts where
+    the memory must be resident before the first request). Transparent huge
     pages are not requested: attention reads scattered blocks a few percent faster from
     them, but a huge-page fault may stall on memory compaction (seconds, measured here).
     """
@@ -57,7 +60,10 @@ def zeroed_kv_tensor(
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The tensor holds a reference to the map, which lives as long as the tensor does.
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+    tensor = torch.frombuffer(buf, dtype=dtype).view(shape)
+    if envs.kv_pool_prefault():
+        tensor.zero_()  # take every page now rather than from the first requests
+    return tensor
 
 
 def _fmt_bytes(n: int) -> str:
