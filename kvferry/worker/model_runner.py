@@ -8,7 +8,6 @@ so only block ids and counts travel from the scheduler for requests already know
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +43,10 @@ class StepBatch:
     positions: torch.Tensor
     query_lens: list[int]
     seq_lens: list[int]
-    # Batch rows whose last scheduled token is the request's last known token: they sample.
+    # Batch rows whose last scheduled token is the request's last known token: they sample,
+    # from the hidden state at flat token index sample_tokens[i].
     sample_rows: list[int]
+    sample_tokens: list[int]
 
 
 class ModelRunner:
@@ -104,6 +105,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        sample_tokens: list[int] = []
         for row, req_id in enumerate(req_ids):
             state = self.requests[req_id]
             n = so.num_scheduled_tokens[req_id]
@@ -115,6 +117,7 @@ class ModelRunner:
             seq_lens.append(end)
             if end >= len(state.token_ids):
                 sample_rows.append(row)
+                sample_tokens.append(len(ids) - 1)
         return StepBatch(
             req_ids=req_ids,
             input_ids=long_tensor(ids, self.device),
@@ -122,6 +125,7 @@ class ModelRunner:
             query_lens=query_lens,
             seq_lens=seq_lens,
             sample_rows=sample_rows,
+            sample_tokens=sample_tokens,
         )
 
     @torch.inference_mode()
@@ -163,8 +167,7 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(batch.req_ids)
         if batch.sample_rows:
-            ends = list(itertools.accumulate(batch.query_lens))
-            last = [ends[r] - 1 for r in batch.sample_rows]
+            last = batch.sample_tokens
             if len(last) == hidden.shape[0]:  # every row is a sampled decode: all of hidden
                 logits = self.model.compute_logits(hidden)
             else:

@@ -57,7 +57,7 @@ def zeroed_kv_tensor(
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The tensor holds a reference to the map, which lives as long as the tensor does.
     tensor = torch.frombuffer(buf, dtype=dtype).view(shape)

@@ -161,8 +161,7 @@ class BlockCopier:
             threads = 1
             if self.pool is not None and nbytes >= PARALLEL_COPY_BYTES:
                 threads = self.pool.workers
-            src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
-            self.native.copy(src, dst, threads)
+            self.native.copy(src_ids, dst_ids, threads)
             return nbytes
         plan = _Plan.of(src_ids, dst_ids)
         if self.on_host:
