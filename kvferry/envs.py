@@ -44,3 +44,13 @@ def kv_pool_prefault() -> bool:
     """KVFERRY_KV_POOL_PREFAULT=1: a CPU engine writes its whole KV pool at start-up, so the
     memory is resident before the first request (default: pages are taken on first use)."""
     return _flag("KVFERRY_KV_POOL_PREFAULT")
+
+
+def kv_secret() -> str | None:
+    """KVFERRY_KV_SECRET: the deployment secret itself (prefer KVFERRY_KV_SECRET_FILE)."""
+    return os.environ.get("KVFERRY_KV_SECRET") or None
+
+
+def kv_secret_file() -> str | None:
+    """KVFERRY_KV_SECRET_FILE: a file holding the deployment secret (see kv_transfer.secret)."""
+    return os.environ.get("KVFERRY_KV_SECRET_FILE") or None
