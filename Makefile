@@ -28,7 +28,7 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(BIN)/kvferry make-tiny-model $(DEMO_MODEL) --arch llama
 
 demo: $(STAMP) $(DEMO_MODEL)/config.json
-	$(BIN)/kvferry generate --model $(DEMO_MODEL) --max-tokens 48 --ignore-eos \
+	$(BIN)/kvferry generate --model $(DEMO_MODEL) --max-tokens 48 --ignore-eos --temperature 0 \
 	  --prompt "The ferry crossed the river at dawn" \
 	  --prompt "The ferry crossed the river at dawn, carrying" \
 	  --prompt "A short note on caches:"

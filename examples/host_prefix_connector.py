@@ -1,6 +1,7 @@
 """A complete small KV connector: keeps full prompt blocks in host memory, keyed by block hash.
 
-Load it without touching kvferry's code:
+Load it without touching kvferry's code (as written, from the repository root; a path to
+this file, e.g. ``"/path/to/examples/host_prefix_connector.py"``, works from anywhere):
 
     kvferry generate --model PATH --prompt "..." --kv-transfer-config '{
         "kv_connector": "HostPrefixConnector", "kv_role": "kv_both",

@@ -75,14 +75,32 @@ class ArchConfig:
                 raise ConfigError(f"{source}: missing required field {key!r}")
             return raw[key]
 
-        hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        def size(key: str, default: int | None = None) -> int:
+            value = req(key) if default is None else (raw.get(key) or default)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+            return value
+
+        hidden = size("hidden_size")
+        heads = size("num_attention_heads")
+        kv_heads = size("num_key_value_heads", heads)
+        if not raw.get("head_dim") and hidden < heads:
+            raise ConfigError(
+                f"{source}: hidden_size ({hidden}) is smaller than num_attention_heads ({heads})"
+            )
+        head_dim = size("head_dim", hidden // heads)
         if heads % kv_heads != 0:
             raise ConfigError(
                 f"{source}: num_attention_heads ({heads}) must be a multiple of "
                 f"num_key_value_heads ({kv_heads})"
+            )
+        if head_dim % 2:
+            derived = "" if raw.get("head_dim") else f" (hidden_size {hidden} // {heads} heads)"
+            raise ConfigError(
+                f"{source}: head_dim {head_dim}{derived} is odd, but rotary position "
+                f"embeddings need an even head_dim"
             )
         rope_theta = raw.get("rope_theta")
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
@@ -100,12 +118,12 @@ class ArchConfig:
             family=family,
             architecture=arch,
             hidden_size=hidden,
-            intermediate_size=int(req("intermediate_size")),
-            num_hidden_layers=int(req("num_hidden_layers")),
+            intermediate_size=size("intermediate_size"),
+            num_hidden_layers=size("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            vocab_size=int(req("vocab_size")),
+            vocab_size=size("vocab_size"),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta or 10000.0),

@@ -1,16 +1,23 @@
 """Connector protocol trace: record every connector call of a real run, render it as mermaid.
 
 ``TracingConnector`` wraps the connector the factory built (when ``KVFERRY_TRACE_CONNECTOR=1``)
-and appends one JSON line per call to a file: time, role, method, request ids, and a short
-summary of arguments and result. ``render_mermaid`` turns such a file into the sequence diagram
-of the seed document (``kvferry trace FILE``), collapsing per-layer hook calls.
+and appends one JSON line per call to a file: time, role, method, request ids, a short summary
+of arguments and result, and the id of the run. A run is one engine (its scheduler and
+worker sides) and starts with a ``run_start`` marker; a process's first run starts the file
+anew unless ``KVFERRY_TRACE_APPEND=1``, later engines of the same process add their runs.
+``render_mermaid`` turns each run of such a file into the sequence diagram of the seed
+document (``kvferry trace FILE``), collapsing per-layer hook calls.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,17 +78,49 @@ def _summary(value: Any) -> Any:
     return type(value).__name__
 
 
+RUN_MARKER = "run_start"
+
+
 class TraceWriter:
-    def __init__(self, path: str | Path) -> None:
+    """Writes one run's records to ``path``; truncates it first unless ``append``. Opened in
+    append mode either way, so processes sharing a file never overwrite each other's lines."""
+
+    def __init__(self, path: str | Path, append: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_id = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
-        self._fh = self.path.open("a", encoding="utf-8")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        self._fh = os.fdopen(os.open(self.path, flags, 0o644), "a", encoding="utf-8")
+        self.write({"t": time.time(), "role": "run", "method": RUN_MARKER, "pid": os.getpid()})
 
     def write(self, record: dict[str, Any]) -> None:
         with self._lock:
-            self._fh.write(json.dumps(record) + "\n")
+            self._fh.write(json.dumps({**record, "run": self.run_id}) + "\n")
             self._fh.flush()
+
+
+# Per file, the runs of this process: (engine config, its writer).
+_RUNS: dict[Path, list[tuple[weakref.ref[Any], TraceWriter]]] = {}
+_RUNS_LOCK = threading.Lock()
+
+
+def run_writer(path: str | Path, engine: Any) -> TraceWriter:
+    """The writer of ``engine``'s run (any object standing for one engine, e.g. its
+    ``EngineConfig``) in ``path``: created by the first of its connectors, shared by the rest."""
+    from kvferry import envs
+
+    key = Path(path).resolve()
+    with _RUNS_LOCK:
+        # Identity, not equality: two engines with equal configs are two runs.
+        runs = [(ref, w) for ref, w in _RUNS.get(key, []) if ref() is not None]
+        for ref, writer in runs:
+            if ref() is engine:
+                return writer
+        # Truncating under another engine of this process would lose its run.
+        writer = TraceWriter(key, append=envs.trace_append() or key in _RUNS)
+        _RUNS[key] = [*runs, (weakref.ref(engine), writer)]
+        return writer
 
 
 class TracingConnector:
@@ -127,7 +166,8 @@ def maybe_wrap(connector: KVConnectorBase) -> KVConnectorBase:
 
     if not envs.trace_connector():
         return connector
-    return TracingConnector(connector, TraceWriter(envs.trace_connector_file()))  # type: ignore[return-value]
+    writer = run_writer(envs.trace_connector_file(), getattr(connector, "_config", connector))
+    return TracingConnector(connector, writer)  # type: ignore[return-value]
 
 
 _ARROWS = {
@@ -142,9 +182,62 @@ _ARROWS = {
 }
 
 
-def render_mermaid(path: str | Path, max_steps: int | None = None) -> str:
-    """A mermaid ``sequenceDiagram`` of a trace file; per-layer hooks are collapsed."""
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+@dataclass
+class TraceRun:
+    """One run of a trace file: its ``run_start`` marker (None in files written before runs
+    were marked) and its records in file order."""
+
+    marker: dict[str, Any] | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def title(self) -> str:
+        if self.marker is None:
+            return "unmarked run"
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.marker.get("t", 0)))
+        return f"pid {self.marker.get('pid')}, started {started}"
+
+
+def read_runs(path: str | Path) -> list[TraceRun]:
+    """The runs of a trace file, in order of their start. Records are grouped by their run id,
+    so runs that appended to one file at the same time come apart again; ValueError if a line
+    is not a trace record."""
+    runs: dict[str | None, TraceRun] = {}
+    current: str | None = None
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if not isinstance(rec, dict) or not isinstance(rec.get("method"), str):
+            raise ValueError(f"line {n} is not a trace record")
+        if rec["method"] == RUN_MARKER:
+            current = rec.get("run") or f"line {n}"
+            runs[current] = TraceRun(rec)
+            continue
+        key = rec.get("run", current)
+        runs.setdefault(key, TraceRun(None)).records.append(rec)
+    return list(runs.values())
+
+
+def render_mermaid(path: str | Path, max_steps: int | None = None, run: int | None = None) -> str:
+    """Mermaid for a trace file: run number ``run`` (1-based; negative counts from the end) as
+    one bare ``sequenceDiagram``; without ``run``, the same for a file holding one run, and a
+    Markdown document with one diagram per run for a file holding several."""
+    runs = read_runs(path)
+    if run is not None:
+        if not (1 <= run <= len(runs) or -len(runs) <= run <= -1):
+            raise IndexError(f"the trace holds {len(runs)} run(s), so there is no run {run}")
+        return render_run(runs[run - 1 if run > 0 else run].records, max_steps)
+    if len(runs) <= 1:
+        return render_run(runs[0].records if runs else [], max_steps)
+    parts = []
+    for i, r in enumerate(runs, 1):
+        diagram = render_run(r.records, max_steps)
+        parts.append(f"## run {i} of {len(runs)} ({r.title()})\n\n```mermaid\n{diagram}```\n")
+    return "\n".join(parts)
+
+
+def render_run(records: list[dict[str, Any]], max_steps: int | None = None) -> str:
+    """A mermaid ``sequenceDiagram`` of one run's records; per-layer hooks are collapsed."""
     lines = [
         "sequenceDiagram",
         "    participant S as Scheduler",

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kvferry.config import ArchConfig, ConfigError
 from kvferry.data import corpus_text
 
 ARCHITECTURES = {
@@ -74,24 +75,45 @@ def make_tiny_model(
     Special tokens have ids 0..4: ``<|endoftext|>`` (eos), ``<|begin_of_text|>`` (bos),
     ``<|pad|>``, ``<|im_start|>``, ``<|im_end|>`` (a second eos, ending chat turns). The
     tokenizer adds no special tokens on its own. Returns ``out_dir`` as a ``Path``.
+
+    Raises :class:`~kvferry.config.ConfigError` (a ``ValueError``), before writing anything,
+    for a shape the engine cannot load: a non-positive size, ``heads`` not a multiple of
+    ``kv_heads``, ``hidden`` not a multiple of ``heads`` without an explicit ``head_dim``, or
+    an odd head dimension.
     """
     if arch not in ARCHITECTURES:
-        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
+        raise ConfigError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    sizes = {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
+             "vocab": vocab, "intermediate": intermediate, "head_dim": head_dim,
+             "max_position_embeddings": max_position_embeddings}  # fmt: skip
+    for name, value in sizes.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
     if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    if vocab < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab must be at least {256 + len(SPECIAL_TOKENS)} for byte-level BPE")
+        raise ConfigError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim is None and hidden % heads:
+        raise ConfigError(
+            f"hidden ({hidden}) must be a multiple of heads ({heads}), or give head_dim"
+        )
     head_dim = head_dim or hidden // heads
+    if head_dim % 2:
+        raise ConfigError(
+            f"head_dim ({head_dim}) must be even: rotary position embeddings rotate pairs"
+        )
+    if vocab < 256 + len(SPECIAL_TOKENS):
+        raise ConfigError(f"vocab must be at least {256 + len(SPECIAL_TOKENS)} for byte-level BPE")
     intermediate = intermediate or 4 * hidden
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
 
     config = _hf_config(
         arch, hidden, layers, heads, kv_heads, vocab, intermediate, max_position_embeddings,
         head_dim, dtype, tie_word_embeddings, rope_theta, rope_scaling,
     )  # fmt: skip
+    # Whatever the engine would refuse to load is refused here, before anything is written.
+    ArchConfig.from_dict(config, "the requested model")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
