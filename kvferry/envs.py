@@ -30,6 +30,11 @@ def trace_connector_file() -> str:
     return os.environ.get("KVFERRY_TRACE_FILE", "kvferry-connector-trace.jsonl")
 
 
+def trace_append() -> bool:
+    """KVFERRY_TRACE_APPEND=1: add this run to the trace file (default: each run starts it anew)."""
+    return _flag("KVFERRY_TRACE_APPEND")
+
+
 def native_kernels() -> bool:
     """KVFERRY_NATIVE_KERNELS=0 turns off the C kernels of ``kvferry.native`` (default on)."""
     return _flag("KVFERRY_NATIVE_KERNELS", default=True)
