@@ -11,8 +11,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvferry.config import ConfigError
+
+if TYPE_CHECKING:
+    from kvferry.outputs import RequestOutput
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +27,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a text file with one prompt per line")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature (default 1.0, as in vLLM); 0 is greedy",
+    )
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
@@ -31,6 +40,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=_cmd_generate)
+
+
+def _cached_tokens(out: RequestOutput) -> dict[str, int]:
+    m = out.metrics
+    return {
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_local_cached_tokens": m.num_local_cached_tokens if m else 0,
+        "num_external_cached_tokens": m.num_external_cached_tokens if m else 0,
+    }
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -60,29 +78,42 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.json)
     elapsed = time.perf_counter() - t0
-    n_out = 0
+    totals = dict.fromkeys(("num_prompt_tokens", "num_local_cached_tokens",
+                            "num_external_cached_tokens", "num_output_tokens"), 0)  # fmt: skip
     for out in outputs:
         c = out.outputs[0]
-        n_out += len(c.token_ids)
+        cached = _cached_tokens(out)
+        for key, value in cached.items():
+            totals[key] += value
+        totals["num_output_tokens"] += len(c.token_ids)
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "prompt": out.prompt,
-                        "text": c.text,
-                        "token_ids": c.token_ids,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-            )
+            record = {"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
+                      "finish_reason": c.finish_reason, **cached}  # fmt: skip
+            print(json.dumps(record))
         else:
-            print(f"--- prompt: {out.prompt!r}\n    output: {c.text!r}  [{c.finish_reason}]")
+            print(
+                f"--- prompt: {out.prompt!r}\n    output: {c.text!r}  [{c.finish_reason}]\n"
+                f"    cached: {cached['num_local_cached_tokens']} local, "
+                f"{cached['num_external_cached_tokens']} external "
+                f"of {cached['num_prompt_tokens']} prompt tokens"
+            )
+    n_out = totals["num_output_tokens"]
     if not args.json:
         print(
             f"{len(outputs)} requests, {n_out} output tokens in {elapsed:.2f}s "
             f"({n_out / max(elapsed, 1e-9):.1f} tok/s); engine start-up "
             f"{llm.engine.startup_seconds:.2f}s"
         )
+    if args.log_stats:
+        # The engine logs at intervals, so a short run would otherwise log nothing.
+        from kvferry.logger import init_logger, kv
+
+        fields: dict[str, int | float] = {"requests": len(outputs), **totals}
+        fields["gen_tok_per_s"] = n_out / max(elapsed, 1e-9)
+        connector = llm.engine.kv_connector_totals
+        if not connector.is_empty():
+            fields.update({f"kv_{k}": v for k, v in connector.as_dict().items()})
+        init_logger(__name__).info(kv("engine stats (run total)", **fields))
     return 0
 
 
@@ -135,6 +166,12 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("file", help="trace file (JSON lines)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument(
+        "--run",
+        type=int,
+        default=None,
+        help="render only this run (1 is the first, -1 the last); default: one diagram per run",
+    )
     p.add_argument("-o", "--output", help="write the diagram here instead of stdout")
     p.set_defaults(func=_cmd_trace)
 
@@ -146,7 +183,9 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise ConfigError(f"trace file {args.file!r} does not exist")
     try:
-        text = render_mermaid(path, args.max_steps)
+        text = render_mermaid(path, args.max_steps, args.run)
+    except IndexError as e:
+        raise ConfigError(f"{args.file}: {e}") from None
     except (ValueError, KeyError) as e:
         raise ConfigError(f"{args.file} is not a kvferry connector trace: {e}") from None
     if args.output:
@@ -169,6 +208,7 @@ def _add_http_args(p: argparse.ArgumentParser, default_port: int) -> None:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from kvferry.engine.arg_utils import EngineArgs
+    from kvferry.entrypoints.openai.limits import ServerLimits
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     EngineArgs.add_cli_args(p, positional_model=True)
@@ -177,6 +217,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: MODEL)"
     )
+    ServerLimits.add_cli_args(p)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -191,6 +232,12 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", nargs="+", required=True, help="prefill instance URL(s)")
     p.add_argument("--decode", nargs="+", required=True, help="decode instance URL(s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
+    p.add_argument(
+        "--upstream-api-key-file",
+        default=None,
+        help="file holding the instances' API key, sent on every upstream call (never the key "
+        "itself on the command line)",
+    )
     _add_http_args(p, 8100)
     p.set_defaults(func=_cmd_proxy)
 
@@ -208,8 +255,20 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     add_demo_args(p)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvferry")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from kvferry import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvferry {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)

@@ -12,8 +12,10 @@ so the connector's ``request_finished`` sees them on an aborted, never-scheduled
 even when that remote side is this very instance; releasing twice must be harmless.
 
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: bad
-bodies and values 400, bad API key 401, unknown model 404, engine failure 500, dead engine 503.
-A client that disconnects aborts its requests. Routes under ``/v1`` need ``--api-key`` when set.
+bodies and values 400, bad API key 401, unknown model 404, body not sent in time 408, body too
+large 413, engine failure 500, dead engine 503. A client that disconnects aborts its requests.
+Routes under ``/v1`` need ``--api-key`` when set (checked before the body is read). Bodies are
+read under :class:`ServerLimits` and parsed off the event loop.
 """
 
 from __future__ import annotations
@@ -21,16 +23,19 @@ from __future__ import annotations
 import argparse
 import secrets
 from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvferry.config import ConfigError
 from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
 from kvferry.entrypoints.openai.http_utils import (
+    BodyLimitMiddleware,
     EventStream,
     SSEResponse,
     listen_socket,
@@ -38,10 +43,13 @@ from kvferry.entrypoints.openai.http_utils import (
     unless_disconnected,
 )
 from kvferry.entrypoints.openai.http_utils import error_response as _error
+from kvferry.entrypoints.openai.limits import ServerLimits
 from kvferry.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     KVReleaseRequest,
+    parse_body,
+    validation_message,
 )
 from kvferry.entrypoints.openai.serving import (
     ModelNotFoundError,
@@ -52,6 +60,7 @@ from kvferry.logger import init_logger
 from kvferry.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = init_logger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 
 class ApiKeyMiddleware:
@@ -84,13 +93,10 @@ async def _respond(request: Request, work: Awaitable[dict | EventStream]) -> Res
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        errors = list(exc.errors())
-        params = [".".join(str(p) for p in e.get("loc", ())[1:]) for e in errors]
-        parts = [
-            f"{p or 'body'}: {e.get('msg', 'invalid')}" for p, e in zip(params, errors, strict=True)
-        ]
-        msg = "; ".join(parts[:5]) or "invalid request body"
-        return _error(400, msg, "invalid_request_error", (params[0] if params else None) or None)
+        # Locations start with where the value came from ("body", "query"): drop that part.
+        errors = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in exc.errors()]
+        msg, param = validation_message(errors)
+        return _error(400, msg, "invalid_request_error", param)
 
     @app.exception_handler(ConfigError)
     async def _config(_: Request, exc: ConfigError) -> Response:
@@ -120,18 +126,34 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(
-    llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics, api_key: str | None = None
+    llm: AsyncLLM,
+    served_model_name: str,
+    metrics: ServerMetrics,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
+    limits = limits or ServerLimits()
     app = FastAPI(title="kvferry", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(llm, served_model_name)
+    serving = OpenAIServing(llm, served_model_name, limits)
+    app.state.serving = serving
     _install_error_handlers(app)
+    # The last one added runs first: the key is checked before any body is read.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=limits.max_request_body_bytes,
+        timeout_s=limits.body_read_timeout,
+    )
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    async def parse(request: Request, model: type[M]) -> M:
+        return await serving.offload(parse_body, await request.body(), model)
 
     @app.get("/health")
     async def health() -> Response:
         if not llm.is_alive:
-            return _error(503, llm.dead_reason or "the engine is down", "service_unavailable")
+            reason = llm.dead_reason or "it is shut down"
+            return _error(503, f"the engine is dead: {reason}", "service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -143,15 +165,18 @@ def build_app(
         return JSONResponse(serving.models())
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parse(request, CompletionRequest)
         return await _respond(request, serving.create_completion(body))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(request: Request) -> Response:
+        body = await parse(request, ChatCompletionRequest)
         return await _respond(request, serving.create_chat_completion(body))
 
     @app.post("/v1/kv/release")
-    async def release(body: KVReleaseRequest) -> Response:
+    async def release(request: Request) -> Response:
+        body = await parse(request, KVReleaseRequest)
         request_id = await llm.release_kv_transfer(body.kv_transfer_params)
         return JSONResponse({"released": True, "request_id": request_id})
 
@@ -162,14 +187,17 @@ def run_server(args: argparse.Namespace) -> int:
     from kvferry.engine.arg_utils import EngineArgs
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    limits = ServerLimits.from_cli_args(args)
     name = args.served_model_name or args.model
     sock = listen_socket(args.host, args.port, "kvferry serve")
     metrics = ServerMetrics(name)
     llm = AsyncLLM(config, observer=metrics)
     kvc = llm.engine.kv_cache_config
     metrics.attach(lambda: llm.snapshot, kvc.bytes_per_block / kvc.block_size)
+    app = build_app(llm, name, metrics, args.api_key, limits)
     try:
-        serve_app(build_app(llm, name, metrics, args.api_key), sock, args.uvicorn_log_level)
+        serve_app(app, sock, args.uvicorn_log_level, limits=limits)
     finally:
+        app.state.serving.shutdown()
         llm.shutdown()
     return 0

@@ -1,5 +1,6 @@
 """HTTP pieces shared by the server and the P/D proxy (no engine imports, so the proxy stays
-light): OpenAI error bodies, SSE events and responses, disconnect handling, sockets, uvicorn."""
+light): OpenAI error bodies, SSE events and responses, disconnect handling, request body
+limits, sockets, uvicorn (with a guard against clients that send their headers slowly)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvferry.config import ConfigError
+from kvferry.entrypoints.openai.limits import ServerLimits
 
 T = TypeVar("T")
 
@@ -97,6 +99,135 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[boo
     return False, None
 
 
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+# After refusing a body, read on (and drop) this long at most before answering, so that the
+# client, which may still be sending, reads the answer instead of a connection reset.
+_DRAIN_S = 1.0
+
+
+class BodyLimitMiddleware:
+    """Reads each request body before the app runs: at most ``max_bytes`` (else 413, and a
+    declared ``Content-Length`` over the limit is refused before any of it is read) and all of
+    it within ``timeout_s`` of the request head (else 408). The app then gets the body as one
+    message; its later ``receive()`` calls go to the server (they report the disconnect)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        try:
+            if declared is not None and int(declared) > self.max_bytes:
+                raise _BodyTooLarge
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except _ClientGone:
+            return
+        except _BodyTooLarge:
+            with contextlib.suppress(_ClientGone, asyncio.TimeoutError):
+                await asyncio.wait_for(self._drain(receive), _DRAIN_S)
+            msg = f"the request body is larger than the limit of {self.max_bytes} bytes"
+            await error_response(413, msg, "invalid_request_error")(scope, receive, send)
+            return
+        except asyncio.TimeoutError:
+            msg = f"the request body did not arrive within {self.timeout_s:g} s"
+            await error_response(408, msg, "invalid_request_error")(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _drain(self, receive: Receive) -> None:
+        left = self.max_bytes
+        while left > 0:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            left -= len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+
+def guarded_h11_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol, plus a deadline for each request head: a connection that has
+    not sent a complete head ``header_timeout_s`` after it connected (or after its previous
+    response) is closed. uvicorn alone waits forever for a head that trickles in, or for the
+    first byte of a new connection."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            super().data_received(data)
+            if self.cycle is not cycle:  # a complete head started a new request
+                self._disarm_head_timer()
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()
+            if self.cycle is cycle and not self.transport.is_closing():
+                self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            self._disarm_head_timer()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
 def listen_socket(host: str, port: int, what: str) -> socket.socket:
     """A bound, listening socket (port 0: any free port); ConfigError if that fails. Prints
     ``WHAT listening on http://HOST:PORT`` (connections wait in the backlog until served)."""
@@ -119,11 +250,20 @@ def serve_app(
     sock: socket.socket,
     log_level: str = "warning",
     lifespan: Literal["auto", "on", "off"] = "off",
+    limits: ServerLimits | None = None,
 ) -> None:
-    """Run uvicorn on ``sock`` until SIGINT/SIGTERM."""
+    """Run uvicorn on ``sock`` until SIGINT/SIGTERM; ``limits`` sets the connection timeouts
+    and the concurrency limit (the body limits are :class:`BodyLimitMiddleware`'s)."""
     import uvicorn
 
+    extra: dict[str, Any] = {}
+    if limits is not None:
+        extra = {
+            "http": guarded_h11_protocol(limits.header_timeout),
+            "timeout_keep_alive": limits.timeout_keep_alive,
+            "limit_concurrency": limits.limit_concurrency,
+        }
     config = uvicorn.Config(
-        app, log_level=log_level, timeout_graceful_shutdown=5, lifespan=lifespan
+        app, log_level=log_level, timeout_graceful_shutdown=5, lifespan=lifespan, **extra
     )
     uvicorn.Server(config).run(sockets=[sock])

@@ -1,6 +1,11 @@
 """Serving logic of ``/v1/completions`` and ``/v1/chat/completions`` over an AsyncLLM.
 
-A handler validates the body (ConfigError -> 400), starts one engine request per prompt and
+A handler validates the body (ConfigError -> 400), checks each prompt's length in characters
+against :class:`ServerLimits` (so a huge string is refused before it is tokenized), renders the
+chat template and tokenizes in a small thread pool (never on the event loop, never on the
+engine thread: the engine gets ``prompt_token_ids``), checks the token counts against the
+context (``max_tokens`` beyond what is left is a 400, as in vLLM), starts one engine request
+per prompt and
 waits until every prompt has produced its first output (so a prompt the engine rejects is a 400,
 not a broken stream). Non-streaming, it then collects the final outputs into one JSON body;
 streaming, it returns an async iterator of SSE events (``data: {...}\\n\\n`` ... ``data: [DONE]``).
@@ -12,14 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from kvferry.config import ConfigError
 from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
 from kvferry.entrypoints.openai.http_utils import EventStream, error_body, sse
+from kvferry.entrypoints.openai.limits import ServerLimits
+from kvferry.entrypoints.openai.prompt_bound import max_chars_per_token_in
 from kvferry.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,10 +36,15 @@ from kvferry.entrypoints.openai.protocol import (
 )
 from kvferry.logger import init_logger
 from kvferry.outputs import RequestOutput
+from kvferry.sampling_params import InvalidParamError, SamplingParams
+from kvferry.tokenizer import Tokenizer
 
 logger = init_logger(__name__)
 
 _ENGINE_ERRORS = (ConfigError, EngineStepError, EngineDeadError)
+T = TypeVar("T")
+# One engine prompt as the server hands it over: text (or None) and its token ids.
+TokenPrompt = dict[str, Any]
 
 
 class ModelNotFoundError(Exception):
@@ -132,10 +146,99 @@ def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_name: str) -> None:
+    def __init__(
+        self, llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None = None
+    ) -> None:
         self.llm = llm
         self.model_name = served_model_name
+        self.limits = limits or ServerLimits()
         self._background: set[asyncio.Future[None]] = set()
+        mc = llm.config.model_config
+        self.max_model_len = mc.max_len
+        self.vocab_size = mc.arch.vocab_size
+        # Encoding and decoding only read the tokenizer, so the pool shares the engine's.
+        self.tokenizer: Tokenizer = llm.engine.tokenizer
+        per_token = max_chars_per_token_in(mc.tokenizer) if mc.tokenizer else None
+        # Text longer than this cannot fit the context, whatever the configured limit.
+        self.fit_chars = per_token * self.max_model_len if per_token else None
+        self._pool = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kvferry-tokenize"
+        )
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the tokenizer pool (CPU work kept off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- intake -------------------------------------------------------------------------------
+
+    def _check_chars(self, text: str, param: str, what: str, limit: int | None) -> None:
+        if limit is not None and len(text) > limit:
+            raise InvalidParamError(
+                param,
+                f"{what} has {len(text)} characters, more than the limit of {limit} "
+                f"(this model's maximum context length is {self.max_model_len} tokens)",
+            )
+
+    def _prompt_char_limit(self) -> int | None:
+        limits = [c for c in (self.limits.max_prompt_chars, self.fit_chars) if c is not None]
+        return min(limits) if limits else None
+
+    def _encode_prompts(
+        self, prompts: list[str | list[int]], params: SamplingParams
+    ) -> list[TokenPrompt]:
+        out: list[TokenPrompt] = []
+        for p in prompts:
+            text, ids = (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p)
+            self._check_tokens(ids, params, "prompt")
+            out.append({"prompt": text, "prompt_token_ids": ids})
+        return out
+
+    def _encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, params: SamplingParams
+    ) -> TokenPrompt:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        self._check_chars(text, "messages", "the chat prompt", self.fit_chars)
+        # The template already holds the special tokens it wants (as vLLM does).
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self._check_tokens(ids, params, "messages")
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def _check_tokens(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        """The checks the engine would make, as 400s naming the parameter, plus vLLM's:
+        ``max_tokens`` must fit in what the prompt leaves of the context."""
+        n, max_len = len(ids), self.max_model_len
+        if not n:
+            raise InvalidParamError(param, "the prompt is empty")
+        if n >= max_len:
+            raise InvalidParamError(
+                param,
+                f"This model's maximum context length is {max_len} tokens, and the prompt has "
+                f"{n}; it must be shorter to leave room for output.",
+            )
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidParamError(
+                param,
+                f"prompt token ids must be in [0, {self.vocab_size}); got {min(ids)}..{max(ids)}",
+            )
+        m = params.max_tokens
+        if m is not None and n + m > max_len:
+            raise InvalidParamError(
+                "max_tokens",
+                f"This model's maximum context length is {max_len} tokens. The prompt has {n} "
+                f"tokens and max_tokens asks for {m} more, {n + m} in all; ask for at most "
+                f"{max_len - n} or shorten the prompt.",
+            )
+
+    def _check_params(self, params: SamplingParams) -> None:
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidParamError(
+                "stop_token_ids",
+                f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[0]}",
+            )
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -152,9 +255,12 @@ class OpenAIServing:
         return {"object": "list", "data": [card]}
 
     async def _start(
-        self, body: _SamplingRequest, prompts: list[Any], request_id: str
+        self,
+        body: _SamplingRequest,
+        params: SamplingParams,
+        prompts: list[TokenPrompt],
+        request_id: str,
     ) -> tuple[_Merged, list[tuple[int, RequestOutput]]]:
-        params = body.to_sampling_params()
         gens = [
             self.llm.generate(p, params, f"{request_id}-{i}", body.cache_salt)
             for i, p in enumerate(prompts)
@@ -216,9 +322,17 @@ class OpenAIServing:
 
     async def _completion(self, body: CompletionRequest) -> dict | EventStream:
         self.check_model(body.model)
-        prompts: list[Any] = body.prompts()
+        texts = body.prompts(self.limits.max_prompts_per_request)
+        params = body.to_sampling_params(self.limits)
+        self._check_params(params)
+        limit = self._prompt_char_limit()
+        for i, p in enumerate(texts):
+            if isinstance(p, str):
+                what = "the prompt" if len(texts) == 1 else f"prompt {i}"
+                self._check_chars(p, "prompt", what, limit)
+        prompts = await self.offload(self._encode_prompts, texts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        merged, primed = await self._start(body, prompts, rid)
+        merged, primed = await self._start(body, params, prompts, rid)
         if body.stream:
             return self._stream(body, merged, primed, len(prompts), rid, created, chat=False)
         outs = await self._collect(merged, primed, len(prompts))
@@ -251,12 +365,18 @@ class OpenAIServing:
     async def _chat_completion(self, body: ChatCompletionRequest) -> dict | EventStream:
         self.check_model(body.model)
         messages = body.chat_messages()
-        tok = self.llm.engine.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        # The template already holds the special tokens it wants (as vLLM does).
-        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        params = body.to_sampling_params(self.limits)
+        self._check_params(params)
+        chars = sum(len(m["content"]) for m in messages)
+        if self.limits.max_prompt_chars is not None and chars > self.limits.max_prompt_chars:
+            raise InvalidParamError(
+                "messages",
+                f"the messages have {chars} characters, more than the limit of "
+                f"{self.limits.max_prompt_chars}",
+            )
+        prompt = await self.offload(self._encode_chat, messages, body.add_generation_prompt, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        merged, primed = await self._start(body, [prompt], rid)
+        merged, primed = await self._start(body, params, [prompt], rid)
         if body.stream:
             return self._stream(body, merged, primed, 1, rid, created, chat=True)
         (out,) = await self._collect(merged, primed, 1)
