@@ -1,13 +1,20 @@
 """KVConnectorFactory: connector name -> class, loaded lazily, one instance per role.
 
 Importing this module imports no connector: the registry holds (module, class) names, and a
-module is imported only when its connector is created.
+module is imported only when its connector is created. ``kv_connector_module_path`` names a
+user's module instead: a dotted name or a path to a ``.py`` file (see :func:`import_module_path`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from kvferry.config import ConfigError
@@ -45,10 +52,15 @@ class KVConnectorFactory:
                 f"unknown KV connector {name!r}; built-in connectors are {cls.registered_names()}, "
                 f"or set kv_connector_module_path to load your own"
             )
-        try:
-            module = importlib.import_module(module_path)
-        except ImportError as e:
-            raise ConfigError(f"cannot import KV connector module {module_path!r}: {e}") from None
+        if kvt.kv_connector_module_path:
+            module = import_module_path(module_path, "KV connector module")
+        else:
+            try:
+                module = importlib.import_module(module_path)
+            except ImportError as e:
+                raise ConfigError(
+                    f"cannot import KV connector module {module_path!r}: {e}"
+                ) from None
         connector_cls = getattr(module, class_name, None)
         if connector_cls is None:
             raise ConfigError(f"module {module_path!r} has no class {class_name!r}")
@@ -80,6 +92,64 @@ class KVConnectorFactory:
         return connector_cls(config, role, kv_cache_config)
 
 
+def import_module_path(module_path: str, what: str = "module") -> ModuleType:
+    """Import a user's ``module_path``: a dotted module name, or a path to a ``.py`` file.
+
+    A dotted name that ``sys.path`` cannot find is also looked up in the current working
+    directory, as ``python -m`` would (the ``kvferry`` console script does not put it on
+    ``sys.path``). A file is imported once per process under its stem (or a longer name when
+    the stem is taken), so the scheduler and worker sides share its classes. Any failure is a
+    :class:`ConfigError` naming ``what`` and the path.
+    """
+    if module_path.endswith(".py") or "/" in module_path or os.sep in module_path:
+        return _import_file(Path(module_path), what)
+    try:
+        try:
+            return importlib.import_module(module_path)
+        except ModuleNotFoundError as e:
+            top = module_path.partition(".")[0]
+            cwd = os.getcwd()
+            here = Path(cwd)
+            found_here = (here / top).is_dir() or (here / f"{top}.py").is_file()
+            on_path = {os.path.abspath(p or cwd) for p in sys.path}
+            if e.name != top or not found_here or cwd in on_path:
+                raise
+            # Appended, not prepended: nothing installed is shadowed by the working directory.
+            sys.path.append(cwd)
+            importlib.invalidate_caches()
+            return importlib.import_module(module_path)
+    except Exception as e:  # the user's module may fail in any way while it runs
+        raise ConfigError(f"cannot import {what} {module_path!r}: {e}") from None
+
+
+def _import_file(path: Path, what: str) -> ModuleType:
+    if not path.is_file():
+        raise ConfigError(f"{what} file {str(path)!r} does not exist")
+    resolved = path.resolve()
+    if resolved in _FILE_MODULES:
+        return _FILE_MODULES[resolved]
+    name = path.stem
+    if name in sys.modules or not name.isidentifier():
+        digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+        name = f"_kvferry_user_{digest}"
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"cannot import {what} {str(path)!r}: not a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as a normal import does (dataclasses look themselves up).
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ConfigError(f"cannot import {what} {str(path)!r}: {type(e).__name__}: {e}") from None
+    _FILE_MODULES[resolved] = module
+    return module
+
+
+_FILE_MODULES: dict[Path, ModuleType] = {}
+
+
 def _supports_hma(connector_cls: type[KVConnectorBase], kvt: KVTransferConfig) -> bool:
     support_check = getattr(connector_cls, "supports_hma_config", None)
     if support_check is not None:
@@ -95,5 +165,6 @@ for _name, _module in [
     ("NixlConnector", f"{_CONNECTORS}.nixl.connector"),
     ("SimpleCPUOffloadConnector", f"{_CONNECTORS}.simple_cpu_offload_connector"),
     ("OffloadingConnector", f"{_CONNECTORS}.offloading_connector"),
+    ("FaultInjectionConnector", f"{_CONNECTORS}.fault_injection"),
 ]:
     KVConnectorFactory.register_connector(_name, _module, _name)

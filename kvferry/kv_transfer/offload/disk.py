@@ -2,30 +2,47 @@
 
 Folder: ``<disk_path>/<fingerprint>/`` where the fingerprint digests the model (its
 ``config.json`` and a sample of its weight files), the KV layout (layers, heads, head size,
-dtype, block size) and the chunk size, so engines of different models or layouts never read
-each other's files. File name: the chunk key (a chained SHA-256 block hash) in hex, so a new
-engine on the same folder finds the same chunks.
+dtype, block size), the chunk size and, when the files are keyed, an identifier of the key, so
+engines of different models, layouts or keys never read each other's files (a keyed engine
+never sees an unkeyed folder, nor one keyed with another deployment's secret). File name: the
+chunk key (a chained SHA-256 block hash) in hex, so a new engine on the same folder finds the
+same chunks.
 
-File layout (little endian)::
+File layout (little endian), without a key (``b"KVFCHNK1"``) and with one (``b"KVFCHNK2"``)::
 
-    magic   8 bytes  b"KVFCHNK1"
+    magic   8 bytes  b"KVFCHNK1"            | b"KVFCHNK2"
     key     32 bytes the chunk key
     layout  16 bytes the folder's fingerprint digest
     length  u64      payload bytes
-    crc32   u32      of the payload
-    pad     u32
+    check   u32 CRC32 of the payload, u32 0 | 32 bytes keyed BLAKE2b of the 64 bytes above
+                                              and the payload
     payload          per layer, keys then values, each (blocks, block_size, heads, head_dim)
 
 A file is written under a temporary name and renamed into place, so a reader sees either no
-file or a complete one. A file whose size, header or checksum is wrong (a crash without
-``fsync``, disk trouble, tampering) is never loaded: reading raises :class:`CorruptChunk`.
+file or a complete one. Only regular files are read: a symbolic link (wherever it points), a
+FIFO, a device or a socket in place of a chunk file is refused without blocking, and every
+read is bounded in time (``read_timeout_s``; see :class:`BoundedReader`). Refused, unreadable
+or mismatching files are never loaded: reading raises :class:`CorruptChunk`, and the tier
+treats the chunk as a miss.
+
+What the check detects. With a key (the deployment secret, see ``kvferry.kv_transfer.secret``)
+the check is a BLAKE2b MAC: any change to a file, accidental or deliberate, is refused unless
+it is made by someone who holds the secret. Without a key the check is a CRC32 of the payload:
+accidental corruption (a torn write after a crash without ``fsync``, bit flips, truncation, a
+file of another layout or chunk) is detected, but a deliberate rewrite by anyone who can write
+to the folder is not: they can recompute the CRC, and the engine will load their KV. Configure
+a secret whenever others can write to ``disk_path``.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
+import stat
 import struct
+import threading
 import time
 import uuid
 import zlib
@@ -34,19 +51,26 @@ from typing import Any
 
 import torch
 
+from kvferry.kv_transfer.offload.bounded_read import BoundedReader, ReadTimeout
 from kvferry.logger import init_logger
 
 logger = init_logger(__name__)
 
 MAGIC = b"KVFCHNK1"
+MAGIC_KEYED = b"KVFCHNK2"
 HEADER = struct.Struct("<8s32s16sQII")
+KEYED_HEADER = struct.Struct("<8s32s16sQ32s")
+_KEYED_PREFIX = 8 + 32 + 16 + 8  # header bytes the MAC covers before the payload
 SUFFIX = ".kvc"
+DEFAULT_READ_TIMEOUT_S = 5.0
 _SAMPLE_BYTES = 1 << 20
 _STALE_TMP_S = 3600.0
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class CorruptChunk(Exception):
-    """A chunk file that must not be loaded (truncated, wrong header, bad checksum)."""
+    """A chunk file that must not be loaded (truncated, wrong header, bad checksum, not a
+    regular file, or unreadable within the time bound)."""
 
 
 def model_fingerprint(model_path: str | None) -> str:
@@ -68,6 +92,11 @@ def model_fingerprint(model_path: str | None) -> str:
     return h.hexdigest()
 
 
+def key_id(key: bytes) -> str:
+    """A public name of a disk key (it tells folders of different keys apart, reveals nothing)."""
+    return hashlib.blake2b(key, digest_size=8, person=b"kvferry-disk-id").hexdigest()
+
+
 def layout_fingerprint(
     model_digest: str,
     num_layers: int,
@@ -76,20 +105,29 @@ def layout_fingerprint(
     dtype: torch.dtype,
     block_size: int,
     blocks_per_chunk: int,
+    disk_key: bytes | None = None,
 ) -> str:
-    """Folder name for one model and KV layout: readable prefix plus a 16-byte digest."""
+    """Folder name for one model, KV layout and key: readable prefix plus a 16-byte digest."""
     dt = str(dtype).removeprefix("torch.")
     desc = f"{num_layers}l-{num_kv_heads}x{head_dim}-{dt}-bs{block_size}-c{blocks_per_chunk}"
-    digest = hashlib.sha256(f"{model_digest}/{desc}".encode()).hexdigest()[:32]
+    material = f"{model_digest}/{desc}"
+    if disk_key is not None:
+        desc += "-keyed"
+        material += f"/keyed-{key_id(disk_key)}"
+    digest = hashlib.sha256(material.encode()).hexdigest()[:32]
     return f"{desc}-{digest}"
+
+
+def header_bytes(keyed: bool) -> int:
+    return KEYED_HEADER.size if keyed else HEADER.size
 
 
 def payload_bytes(bytes_per_block: int, blocks_per_chunk: int) -> int:
     return bytes_per_block * blocks_per_chunk
 
 
-def file_bytes(bytes_per_block: int, blocks_per_chunk: int) -> int:
-    return HEADER.size + payload_bytes(bytes_per_block, blocks_per_chunk)
+def file_bytes(bytes_per_block: int, blocks_per_chunk: int, keyed: bool = False) -> int:
+    return header_bytes(keyed) + payload_bytes(bytes_per_block, blocks_per_chunk)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -98,18 +136,106 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-class DiskStore:
-    """Reads and writes chunk files of one folder (worker side)."""
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
 
-    def __init__(self, folder: Path, fingerprint: str, chunk_payload: int, fsync: bool) -> None:
+
+def open_regular(path: Path) -> tuple[int, int]:
+    """Open ``path`` for reading only if it is a regular file (never through a symbolic link,
+    never blocking on a FIFO); returns ``(fd, size)``, or raises CorruptChunk."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise CorruptChunk(f"{path.name}: missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptChunk(f"{path.name}: is a symbolic link; refused") from None
+        raise CorruptChunk(f"{path.name}: cannot be opened: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptChunk(f"{path.name}: is {_kind(st.st_mode)}, not a chunk file; refused")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _read_file(path: Path, buf: bytearray) -> int:
+    """Read a regular file into ``buf`` (sized one byte past a whole chunk file, so a longer
+    file shows); returns the bytes read. Runs on the bounded reader's thread."""
+    fd, size = open_regular(path)
+    try:
+        if size < len(buf) - 1:
+            raise CorruptChunk(f"{path.name}: truncated ({size} bytes, expected {len(buf) - 1})")
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                break
+            got += n
+        return got
+    finally:
+        os.close(fd)
+
+
+class DiskStore:
+    """Reads and writes chunk files of one folder (worker side). ``key``: the disk-tier key
+    (keyed BLAKE2b checks) or None (CRC32). Reads run one at a time, each bounded by
+    ``read_timeout_s``."""
+
+    def __init__(
+        self,
+        folder: Path,
+        fingerprint: str,
+        chunk_payload: int,
+        fsync: bool,
+        key: bytes | None = None,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    ) -> None:
         self.folder = folder
         self.layout_digest = bytes.fromhex(fingerprint[-32:])
         self.payload = chunk_payload
         self.fsync = fsync
+        self.key = key
+        self.header = KEYED_HEADER if key is not None else HEADER
+        self.file_size = self.header.size + chunk_payload
+        self._reader = BoundedReader(read_timeout_s, "kv-offload-disk-io")
+        self._spare: bytearray | None = None  # a read buffer no stuck read still owns
+        self._spare_lock = threading.Lock()
         folder.mkdir(parents=True, exist_ok=True)
 
     def path(self, key_hex: str) -> Path:
         return self.folder / f"{key_hex}{SUFFIX}"
+
+    def _mac(self, prefix: bytes | memoryview, parts: list[memoryview]) -> bytes:
+        h = hashlib.blake2b(key=self.key or b"", digest_size=32, person=b"kvferry-chunk")
+        h.update(prefix)
+        for p in parts:
+            h.update(p)
+        return h.digest()
+
+    def _header(self, key_hex: str, parts: list[memoryview]) -> bytes:
+        key = bytes.fromhex(key_hex)
+        if self.key is None:
+            crc = 0
+            for p in parts:
+                crc = zlib.crc32(p, crc)
+            return HEADER.pack(MAGIC, key, self.layout_digest, self.payload, crc, 0)
+        prefix = KEYED_HEADER.pack(MAGIC_KEYED, key, self.layout_digest, self.payload, b"")
+        prefix = prefix[:_KEYED_PREFIX]
+        return prefix + self._mac(prefix, parts)
 
     def write(self, key_hex: str, views: list[torch.Tensor]) -> int:
         """Write one chunk from ``views`` (contiguous host tensors, in file order)."""
@@ -117,86 +243,104 @@ class DiskStore:
         length = sum(len(p) for p in parts)
         if length != self.payload:
             raise ValueError(f"chunk payload is {length} bytes, expected {self.payload}")
-        crc = 0
-        for p in parts:
-            crc = zlib.crc32(p, crc)
-        header = HEADER.pack(MAGIC, bytes.fromhex(key_hex), self.layout_digest, length, crc, 0)
+        header = self._header(key_hex, parts)
         tmp = self.folder / f".tmp-{key_hex}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            with tmp.open("wb") as fh:
+            with os.fdopen(os.open(tmp, flags, 0o644), "wb") as fh:
                 fh.write(header)
                 for p in parts:
                     fh.write(p)
                 if self.fsync:
                     fh.flush()
                     os.fsync(fh.fileno())
-            os.replace(tmp, self.path(key_hex))
+            os.replace(tmp, self.path(key_hex))  # replaces the entry, never follows a link
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return HEADER.size + length
+        return len(header) + length
 
-    def _check_header(self, fh: Any, path: Path, key_hex: str) -> int:
-        """Read and check a file's header; returns the payload checksum it records."""
-        raw = fh.read(HEADER.size)
-        if len(raw) != HEADER.size:
+    def _read_checked(self, key_hex: str) -> tuple[memoryview, bytearray]:
+        """Read a chunk file within the time bound and check it; returns the payload (a view
+        of a buffer the caller hands back with :meth:`_release`) or raises CorruptChunk."""
+        path = self.path(key_hex)
+        with self._spare_lock:
+            buf, self._spare = self._spare, None
+        if buf is None:
+            buf = bytearray(self.file_size + 1)
+        try:
+            got = self._reader.run(lambda: _read_file(path, buf))
+        except ReadTimeout as e:
+            # ``buf`` stays with the stuck read: it may still write into it.
+            raise CorruptChunk(f"{path.name}: {e}") from None
+        except BaseException:
+            self._spare = buf
+            raise
+        try:
+            self._check(path, key_hex, memoryview(buf)[:got])
+        except BaseException:
+            self._spare = buf
+            raise
+        return memoryview(buf)[self.header.size : self.file_size], buf
+
+    def _release(self, buf: bytearray) -> None:
+        self._spare = buf
+
+    def _check(self, path: Path, key_hex: str, raw: memoryview) -> None:
+        h = self.header
+        if len(raw) < h.size:
             raise CorruptChunk(f"{path.name}: truncated header")
-        magic, key, layout, length, crc, _ = HEADER.unpack(raw)
-        if magic != MAGIC or key.hex() != key_hex or layout != self.layout_digest:
+        magic, key, layout, length, *check = h.unpack(raw[: h.size])
+        want_magic = MAGIC if self.key is None else MAGIC_KEYED
+        if magic != want_magic or key.hex() != key_hex or layout != self.layout_digest:
             raise CorruptChunk(f"{path.name}: header does not match")
         if length != self.payload:
             raise CorruptChunk(f"{path.name}: payload {length} bytes, expected {self.payload}")
-        return int(crc)
+        if len(raw) < self.file_size:
+            raise CorruptChunk(f"{path.name}: truncated payload")
+        if len(raw) > self.file_size:
+            raise CorruptChunk(f"{path.name}: trailing bytes")
+        payload = raw[h.size : self.file_size]
+        if self.key is None:
+            ok = zlib.crc32(payload) == check[0]
+        else:
+            ok = self._mac(raw[:_KEYED_PREFIX], [payload]) == check[0]
+        if not ok:
+            raise CorruptChunk(f"{path.name}: checksum mismatch")
 
     def check(self, key_hex: str) -> int:
         """Read a chunk file and verify it without keeping the bytes; CorruptChunk if bad."""
-        path = self.path(key_hex)
-        view = memoryview(bytearray(min(self.payload, 4 << 20)))
-        try:
-            with path.open("rb") as fh:
-                crc = self._check_header(fh, path, key_hex)
-                check, got = 0, 0
-                while n := fh.readinto(view):
-                    check = zlib.crc32(view[:n], check)
-                    got += n
-        except FileNotFoundError:
-            raise CorruptChunk(f"{path.name}: missing") from None
-        if got != self.payload:
-            raise CorruptChunk(f"{path.name}: truncated payload")
-        if check != crc:
-            raise CorruptChunk(f"{path.name}: checksum mismatch")
-        return HEADER.size + got
+        _, buf = self._read_checked(key_hex)
+        self._release(buf)
+        return self.file_size
 
     def read_into(self, key_hex: str, views: list[torch.Tensor]) -> int:
-        """Read one chunk into ``views``; raise CorruptChunk (views unspecified) if the file is
-        missing, truncated or does not check out. The caller offers the chunk only after this
-        returned."""
-        path = self.path(key_hex)
+        """Read one chunk into ``views``; raise CorruptChunk (views untouched) if the file is
+        missing, not a regular file, unreadable in time, or does not check out. The caller
+        offers the chunk only after this returned."""
+        payload, buf = self._read_checked(key_hex)
         try:
-            with path.open("rb") as fh:
-                crc = self._check_header(fh, path, key_hex)
-                got, check = 0, 0
-                for v in views:
-                    buf = _as_bytes(v)
-                    n = fh.readinto(buf)
-                    if n != len(buf):
-                        raise CorruptChunk(f"{path.name}: truncated payload")
-                    check = zlib.crc32(buf, check)
-                    got += n
-                if fh.read(1):
-                    raise CorruptChunk(f"{path.name}: trailing bytes")
-        except FileNotFoundError:
-            raise CorruptChunk(f"{path.name}: missing") from None
-        if got != self.payload or check != crc:
-            raise CorruptChunk(f"{path.name}: checksum mismatch")
-        return HEADER.size + got
+            offset = 0
+            for v in views:
+                dst = _as_bytes(v)
+                dst[:] = payload[offset : offset + len(dst)]
+                offset += len(dst)
+            if offset != self.payload:
+                raise ValueError(f"views hold {offset} bytes, the chunk {self.payload}")
+        finally:
+            self._release(buf)
+        return self.file_size
 
     def delete(self, key_hex: str) -> None:
-        self.path(key_hex).unlink(missing_ok=True)
+        self.path(key_hex).unlink(missing_ok=True)  # removes a link itself, never its target
+
+    def shutdown(self) -> None:
+        self._reader.shutdown()
 
 
 def scan_folder(folder: Path, expected_size: int) -> tuple[list[bytes], list[bytes]]:
-    """Chunk files of a folder, oldest first: ``(good keys, keys of files of the wrong size)``.
+    """Chunk files of a folder, oldest first: ``(good keys, keys of files to drop)``; files of
+    the wrong size and entries that are not regular files (links, FIFOs, devices) are dropped.
 
     Only sizes are checked here (cheap enough to run at start); contents are checked when a
     chunk is read. Temporary files older than an hour (left by a crash) are removed.
@@ -210,7 +354,7 @@ def scan_folder(folder: Path, expected_size: int) -> tuple[list[bytes], list[byt
         name = entry.name
         if name.startswith(".tmp-"):
             try:
-                if now - entry.stat().st_mtime > _STALE_TMP_S:
+                if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S:
                     os.unlink(entry.path)
             except OSError:
                 pass
@@ -219,10 +363,12 @@ def scan_folder(folder: Path, expected_size: int) -> tuple[list[bytes], list[byt
             continue
         try:
             key = bytes.fromhex(name[: -len(SUFFIX)])
-            st = entry.stat()
+            st = entry.stat(follow_symlinks=False)
         except (ValueError, OSError):
             continue
-        if st.st_size != expected_size:
+        if len(key) != 32:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_size != expected_size:
             bad.append(key)
         else:
             found.append((st.st_mtime, key))

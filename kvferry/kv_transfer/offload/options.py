@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvferry.config import ConfigError
+from kvferry.kv_transfer.offload.disk import DEFAULT_READ_TIMEOUT_S
 from kvferry.kv_transfer.offload.policies import policy_class
 
 GiB = 1024**3
@@ -86,7 +87,13 @@ class OffloadingOptions:
     ``disk_eviction_policy``; ``disk_fsync`` makes each file durable before it is offered
     (slower; a crash can otherwise leave a truncated file, which is detected and ignored).
     Every chunk stored on the host is also written to disk (write-through); a disk-only hit
-    is first copied back to the host, checked, then loaded.
+    is first copied back to the host, checked, then loaded. ``disk_read_timeout_s``: how
+    long one file read may take before it is abandoned and the chunk treated as a miss
+    (default 5 s). Files are checked with a keyed BLAKE2b when a deployment secret is
+    configured (``secret_file``, or ``KVFERRY_KV_SECRET_FILE`` / ``KVFERRY_KV_SECRET``; see
+    ``kvferry.kv_transfer.secret``), else with CRC32, which catches accidental corruption
+    but not a rewrite by someone who can write to ``disk_path`` (see
+    ``kvferry.kv_transfer.offload.disk``).
 
     ``offload_prompt_only`` (default True, as vLLM): store only chunks inside the prompt.
     ``store_threshold``: store a chunk only once this many requests offered it (1 = always);
@@ -106,6 +113,8 @@ class OffloadingOptions:
     num_disk_chunks: int | None = None
     disk_eviction_policy: str = "lru"
     disk_fsync: bool = False
+    disk_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    secret_file: str | None = None
     offload_prompt_only: bool = True
     store_threshold: int = 1
     max_tracker_size: int = 64000
@@ -130,6 +139,10 @@ class OffloadingOptions:
             raise ConfigError(f"{owner}: max_lookup_wait_s must be >= 0")
         if self.disk_path == "":
             raise ConfigError(f"{owner}: disk_path must not be empty")
+        if not self.disk_read_timeout_s > 0:
+            raise ConfigError(f"{owner}: disk_read_timeout_s must be positive")
+        if self.secret_file == "":
+            raise ConfigError(f"{owner}: secret_file must be the path of a file")
         policy_class(self.eviction_policy)
         policy_class(self.disk_eviction_policy)
 

@@ -169,6 +169,8 @@ class TransferEngine:
         for t in self._threads:
             t.join(timeout=60)
         self._pool.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.shutdown()
 
     # -- the threads ----------------------------------------------------------------------
 
@@ -189,7 +191,13 @@ class TransferEngine:
         try:
             nbytes = body(p)
         except CorruptChunk as e:
-            logger.warning("offload: chunk %s is corrupt and is dropped: %s", p.job.disk_key, e)
+            # The file is dropped from the index after this, so each bad file logs once.
+            logger.warning(
+                "offload: %s job %d: chunk file refused, treated as a miss: %s",
+                p.job.kind.value,
+                p.job.job_id,
+                e,
+            )
             self._finish(p, False, 0, time.perf_counter() - t0, str(e))
         except Exception as e:  # a failed job is reported, never fatal to the engine
             logger.warning("offload: %s job %d failed: %s", p.job.kind.value, p.job.job_id, e)

@@ -17,7 +17,7 @@ import torch
 
 from kvferry.config import ConfigError
 from kvferry.kv_transfer.base import KVConnectorStats
-from kvferry.kv_transfer.offload.disk import DiskStore
+from kvferry.kv_transfer.offload.disk import DEFAULT_READ_TIMEOUT_S, DiskStore
 from kvferry.kv_transfer.offload.host_buffer import HostKVBuffer
 from kvferry.kv_transfer.offload.jobs import JobKind, OffloadWorkerMetadata, TransferJob
 from kvferry.kv_transfer.offload.stats import TransferStats
@@ -52,6 +52,8 @@ class OffloadWorker:
         chunk_payload: int = 0,
         fsync: bool = False,
         store_mode: str = "auto",
+        disk_key: bytes | None = None,
+        disk_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     ) -> None:
         self.owner = owner
         self.num_host_blocks = num_host_blocks
@@ -60,6 +62,8 @@ class OffloadWorker:
         self.chunk_payload = chunk_payload
         self.fsync = fsync
         self.store_mode = store_mode
+        self.disk_key = disk_key
+        self.disk_read_timeout_s = disk_read_timeout_s
         self.engine: TransferEngine | None = None
         self.stats: TransferStats | None = None
         self._recving: set[str] = set()
@@ -82,7 +86,14 @@ class OffloadWorker:
         host = HostKVBuffer(kv_caches, self.num_host_blocks, pin_memory=self._cuda)
         disk = None
         if self.disk_folder is not None:
-            disk = DiskStore(self.disk_folder, self.fingerprint, self.chunk_payload, self.fsync)
+            disk = DiskStore(
+                self.disk_folder,
+                self.fingerprint,
+                self.chunk_payload,
+                self.fsync,
+                key=self.disk_key,
+                read_timeout_s=self.disk_read_timeout_s,
+            )
         inline = not self._cuda and (
             self.store_mode == "inline"
             or (self.store_mode == "auto" and torch.get_num_threads() >= usable_cpus())
@@ -95,6 +106,11 @@ class OffloadWorker:
                 host_blocks=self.num_host_blocks,
                 host_gib=round(need / 2**30, 3),
                 disk=str(self.disk_folder) if self.disk_folder else None,
+                disk_check=None
+                if self.disk_folder is None
+                else "keyed-blake2b"
+                if self.disk_key is not None
+                else "crc32 (no deployment secret: tampering is not detected)",
                 device=str(first.device),
                 stores="inline" if inline else "background",
             )

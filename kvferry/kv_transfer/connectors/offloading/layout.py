@@ -1,19 +1,22 @@
-"""Sizes and the disk folder of an OffloadingConnector, derived the same way on both roles."""
+"""Sizes and the disk folder of an OffloadingConnector, derived the same way on both roles,
+with the disk tier's key (from the deployment secret) that names the folder and checks files."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvferry.core.kv_cache_config import KVCacheConfig
 from kvferry.kv_transfer.offload.connector_base import EngineFacts
 from kvferry.kv_transfer.offload.disk import (
+    DEFAULT_READ_TIMEOUT_S,
     file_bytes,
     layout_fingerprint,
     model_fingerprint,
     payload_bytes,
 )
 from kvferry.kv_transfer.offload.options import OffloadingOptions
+from kvferry.kv_transfer.secret import load_deployment_secret
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class OffloadLayout:
     num_disk_chunks: int
     disk_folder: Path | None
     fingerprint: str
+    disk_key: bytes | None = field(default=None, repr=False)
+    disk_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
 
     @property
     def chunk_tokens(self) -> int:
@@ -36,7 +41,7 @@ class OffloadLayout:
 
     @property
     def file_size(self) -> int:
-        return file_bytes(self.bytes_per_block, self.blocks_per_chunk)
+        return file_bytes(self.bytes_per_block, self.blocks_per_chunk, self.disk_key is not None)
 
 
 def resolve_layout(
@@ -45,8 +50,12 @@ def resolve_layout(
     group = kv_cache_config.groups[0]
     per_block = kv_cache_config.bytes_per_block
     b = opts.blocks_per_chunk
-    folder, fingerprint, n_disk = None, "", 0
+    folder, fingerprint, n_disk, key = None, "", 0, None
     if opts.disk_path is not None:
+        secret = load_deployment_secret(
+            {"secret_file": opts.secret_file} if opts.secret_file is not None else None
+        )
+        key = secret.key_for("disk-tier") if secret is not None else None
         fingerprint = layout_fingerprint(
             model_fingerprint(facts.model_path),
             len(group.layer_names),
@@ -55,10 +64,11 @@ def resolve_layout(
             group.dtype,
             group.block_size,
             b,
+            key,
         )
         # One folder per rank: each holds its own shard of the KV heads.
         folder = Path(opts.disk_path) / fingerprint / "rank0"
-        n_disk = opts.num_disk_file_chunks(file_bytes(per_block, b), owner)
+        n_disk = opts.num_disk_file_chunks(file_bytes(per_block, b, key is not None), owner)
     return OffloadLayout(
         block_size=group.block_size,
         blocks_per_chunk=b,
@@ -67,4 +77,6 @@ def resolve_layout(
         num_disk_chunks=n_disk,
         disk_folder=folder,
         fingerprint=fingerprint,
+        disk_key=key,
+        disk_read_timeout_s=opts.disk_read_timeout_s,
     )

@@ -29,6 +29,8 @@ class OffloadingWorker(WorkerHalf):
             layout.chunk_payload,
             fsync,
             store_mode,
+            layout.disk_key,
+            layout.disk_read_timeout_s,
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
