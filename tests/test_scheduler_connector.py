@@ -343,12 +343,17 @@ def test_partial_local_tail_rule(
 
 
 def test_connector_contract_checks() -> None:
-    s, conn, _ = setup()
-    r = create_request(20)
+    # An over-offering lookup is that request's fault: it alone ends with an error.
+    s, conn, worker = setup()
+    r, ok = create_request(20), create_request(20)
     conn.external[r.request_id] = (21, False)
     s.add_request(r)
-    with pytest.raises(RuntimeError, match="only 20"):
-        s.schedule()
+    s.add_request(ok)
+    _, outs = step(s, worker)
+    (failed,) = [o for o in outs if o.request_id == r.request_id]
+    assert failed.finish_reason == "error" and "only 20" in (failed.error or "")
+    assert run_until_done(s, worker).finish_reasons == {ok.request_id: "length"}
+    assert_no_leaks(s)
     with pytest.raises(ConfigError, match="kv_load_failure_policy"):
         create_scheduler(kv_load_failure_policy="retry")
 

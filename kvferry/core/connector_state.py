@@ -12,6 +12,11 @@ it remembers what the protocol leaves open:
   ``Scheduler.requests`` but in no queue;
 * the load-failure policy, and which requests a step's load failures hit;
 * connector stats and KV cache events until the engine takes them.
+
+A per-request hook that raises (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+``request_finished``) or answers out of contract is that request's fault, not the step's:
+:class:`ConnectorHookError` (or :attr:`FinishOutcome.error`) tells the scheduler to end only
+that request with an error.
 """
 
 from __future__ import annotations
@@ -49,6 +54,27 @@ class PrefixHit:
 
 
 RESUMED = PrefixHit(looked_up=False)
+
+
+class ConnectorHookError(Exception):
+    """A scheduler-side connector hook failed for one request; the message says which and why.
+    The scheduler ends that request with FINISHED_ERROR and goes on with the others."""
+
+
+def _hook_error(connector: KVConnectorBase, hook: str, request: Request, e: Exception) -> str:
+    logger.exception("%s.%s failed for %s", type(connector).__name__, hook, request)
+    return f"the KV connector's {hook} failed for this request: {type(e).__name__}: {e}"
+
+
+@dataclass(frozen=True)
+class FinishOutcome:
+    """What :meth:`ConnectorState.request_finished` decided. ``held``: the blocks stay until the
+    connector reports the transfer done. ``error``: the connector's ``request_finished`` raised
+    (then nothing is held for it beyond a load in flight, and there are no params)."""
+
+    held: bool
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,17 +157,28 @@ class ConnectorState:
     def lookup(self, request: Request) -> PrefixHit | None:
         """Local prefix hit, then the connector's external hit on top of it; None when the
         connector cannot answer yet (skip the request this step and ask again). Raises
-        RuntimeError when the connector offers more tokens than the request has."""
+        ConnectorHookError when the connector's lookup raises or offers more tokens than the
+        request has."""
         blocks, num_local = self.kv.get_computed_blocks(request)
-        if self.connector is None:
+        connector = self.connector
+        if connector is None:
             return PrefixHit(blocks, num_local)
         aligned = num_local - num_local % self.block_size
-        num_external, load_async = self.connector.get_num_new_matched_tokens(request, aligned)
+        try:
+            num_external, load_async = connector.get_num_new_matched_tokens(request, aligned)
+        except Exception as e:
+            raise ConnectorHookError(
+                _hook_error(connector, "get_num_new_matched_tokens", request, e)
+            ) from e
         if num_external is None:
             return None
-        if num_external < 0 or aligned + num_external > request.num_tokens:
-            raise RuntimeError(
-                f"{type(self.connector).__name__}.get_num_new_matched_tokens offered "
+        if (
+            not isinstance(num_external, int)
+            or num_external < 0
+            or aligned + num_external > request.num_tokens
+        ):
+            raise ConnectorHookError(
+                f"{type(connector).__name__}.get_num_new_matched_tokens offered "
                 f"{num_external} tokens for {request.request_id!r} after {aligned} local ones, "
                 f"but the request has only {request.num_tokens}"
             )
@@ -153,12 +190,19 @@ class ConnectorState:
         return PrefixHit(blocks, num_kept, num_external, load_async)
 
     def after_alloc(self, request: Request, hit: PrefixHit) -> None:
-        """``update_state_after_alloc`` for a just-allocated waiting request (whole table)."""
-        if self.connector is None:
+        """``update_state_after_alloc`` for a just-allocated waiting request (whole table).
+        Raises ConnectorHookError when the hook raises."""
+        connector = self.connector
+        if connector is None:
             return
-        self.connector.update_state_after_alloc(
-            request, self.kv.get_blocks(request.request_id), hit.num_external
-        )
+        try:
+            connector.update_state_after_alloc(
+                request, self.kv.get_blocks(request.request_id), hit.num_external
+            )
+        except Exception as e:
+            raise ConnectorHookError(
+                _hook_error(connector, "update_state_after_alloc", request, e)
+            ) from e
         if not hit.looked_up:
             return
         if request.num_preemptions > 0:
@@ -282,26 +326,30 @@ class ConnectorState:
 
     # -- finishing and transfer completions -----------------------------------------------
 
-    def request_finished(
-        self, request: Request, load_in_flight: bool = False
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """Tell the connector the request ended; returns ``(held, kv_transfer_params)``.
+    def request_finished(self, request: Request, load_in_flight: bool = False) -> FinishOutcome:
+        """Tell the connector the request ended.
 
         ``held``: the blocks must stay allocated (and the request known) until the connector
         reports the transfer done: a delayed free, or ``load_in_flight`` (an async load that
-        may still write into them).
+        may still write into them). A hook that raises holds nothing beyond a load in flight:
+        waiting for a transfer it may never report would leak the blocks.
         """
         req_id = request.request_id
         self._loads_done.discard(req_id)
-        delay_free, params = False, None
-        if self.connector is not None:
+        delay_free, params, error = False, None, None
+        connector = self.connector
+        if connector is not None:
             block_ids = self.kv.get_block_ids(req_id)[0]
-            delay_free, params = self.connector.request_finished(request, block_ids)
+            try:
+                delay_free, params = connector.request_finished(request, block_ids)
+            except Exception as e:
+                delay_free, params = False, None
+                error = _hook_error(connector, "request_finished", request, e)
         if delay_free:
             self._awaiting_send.add(req_id)
         if load_in_flight:
             self._awaiting_recv.add(req_id)
-        return delay_free or load_in_flight, params
+        return FinishOutcome(delay_free or load_in_flight, params, error)
 
     def process_transfers(
         self, kv_out: KVConnectorOutput | None, requests: Mapping[str, Request]

@@ -52,6 +52,8 @@ class Admission(enum.Enum):
     SKIPPED = enum.auto()
     # Admitted with blocks for an asynchronous KV load; nothing computed until it finishes.
     LOADING = enum.auto()
+    # Ended with an error while being admitted (a KV connector hook failed for it).
+    FAILED = enum.auto()
 
 
 @dataclass
@@ -197,7 +199,8 @@ def check_scheduler_integrity(scheduler: Scheduler, kv_state: ConnectorState) ->
     kv.check_integrity()
     queued = [*s.waiting, *s.kv_holding, *s.running]
     ids = {r.request_id for r in queued}
-    held = kv_state.held_request_ids()
+    # Failed while being scheduled: finished, in no queue, released after the step.
+    held = kv_state.held_request_ids() | {r.request_id for r, _ in s._failed_admissions}
     assert len(ids) == len(queued), "a request is queued twice"
     assert ids.isdisjoint(held), "a held (finished) request is still queued"
     assert ids | held == set(s.requests), "requests and queues disagree"

@@ -14,6 +14,11 @@ behind them lives in :mod:`kvferry.core.connector_state`. Waiting requests sit i
 ``kv_holding`` (requests that hold blocks without running: async loads in flight or done, not
 yet admitted) is always drained before ``waiting``, because its requests can only give their
 blocks back by running.
+
+Faults of one request end only that request (FINISHED_ERROR, ``request.error`` says why): a
+per-request connector hook that raises (:class:`ConnectorHookError`, or an error from
+``request_finished``) and a request the workers could not continue (``ModelRunnerOutput.failed``,
+e.g. sampling that found no valid distribution). The step goes on for the others.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ from itertools import chain
 from typing import Any
 
 from kvferry.config import CacheConfig, SchedulerConfig
-from kvferry.core.connector_state import RESUMED, ConnectorState, PrefixHit
+from kvferry.core.connector_state import (
+    RESUMED,
+    ConnectorHookError,
+    ConnectorState,
+    FinishOutcome,
+    PrefixHit,
+)
 from kvferry.core.kv_cache_config import KVCacheConfig
 from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvferry.core.outputs import EngineCoreOutput
@@ -101,6 +112,12 @@ class Scheduler:
         # Finished since the last schedule(); flushed to the workers by the next one.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Requests that failed during schedule() (a connector hook raised after allocation):
+        # finished, in no queue, their blocks kept until the step is over (the hook may have
+        # recorded them for this step's transfers); released by update_from_output.
+        self._failed_admissions: list[tuple[Request, FinishOutcome]] = []
+        # Outputs of failed admissions whose step raised before update_from_output.
+        self._undelivered: list[EngineCoreOutput] = []
 
     # -- intake and queries ---------------------------------------------------------------
 
@@ -136,8 +153,9 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0 or self._kv.has_pending_work()
 
     def has_finished_requests(self) -> bool:
-        """True while finished ids still have to be flushed to the workers by a step."""
-        return bool(self.finished_req_ids)
+        """True while finished ids still have to be flushed to the workers by a step, or
+        requests that failed while being scheduled still have to be reported."""
+        return bool(self.finished_req_ids or self._failed_admissions or self._undelivered)
 
     def has_requests(self) -> bool:
         """The engine loop's "keep stepping" test: unfinished work or ids to flush."""
@@ -148,15 +166,25 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Never schedules a request with zero tokens (the step itself may have
         none, e.g. while loads are in flight)."""
+        # A previous step that raised never reached update_from_output.
+        self._undelivered += self._release_failed_admissions()
         plan = StepPlan(token_budget=self.max_num_scheduled_tokens)
-        self._schedule_running(plan)
-        # Out of blocks, admitting newcomers would only preempt again.
-        if not plan.out_of_blocks:
-            self._schedule_waiting(plan)
-        output = make_scheduler_output(plan, self.kv_cache_manager, self.finished_req_ids)
+        try:
+            self._schedule_running(plan)
+            # Out of blocks, admitting newcomers would only preempt again.
+            if not plan.out_of_blocks:
+                self._schedule_waiting(plan)
+            output = make_scheduler_output(plan, self.kv_cache_manager, self.finished_req_ids)
+            # KV connector: every step, empty ones too (it also resets the per-step plan).
+            output.kv_connector_metadata = self._kv.build_meta(output)
+        except BaseException:
+            # Nothing advanced yet: the planned requests' computed counts are still valid.
+            sync = plan.has_sync_kv_loads
+            valid = {r.request_id: 0 if sync else r.num_computed_tokens for r in plan.new_reqs}
+            valid.update((r.request_id, r.num_computed_tokens) for r in plan.cached_reqs)
+            self._unpublish(valid)
+            raise
         self.finished_req_ids = set()
-        # KV connector: every step, empty ones too (it also resets the per-step plan).
-        output.kv_connector_metadata = self._kv.build_meta(output)
         self._update_after_schedule(output)
         return output
 
@@ -227,6 +255,7 @@ class Scheduler:
             outcome = self._try_admit(request, plan)
             if outcome is Admission.BLOCKED:
                 return False
+            # FAILED leaves the queue too: the request is finished.
             if outcome is not Admission.SKIPPED:
                 queue.remove(request)
             if outcome is Admission.LOADING:
@@ -242,7 +271,11 @@ class Scheduler:
         if request.num_computed_tokens > 0:
             return self._admit(request, RESUMED, plan)  # resumes with the blocks it holds
         # KV connector: local hit, then get_num_new_matched_tokens on its aligned length.
-        hit = self._kv.lookup(request)
+        try:
+            hit = self._kv.lookup(request)
+        except ConnectorHookError as e:
+            self._fail_admission(request, str(e))
+            return Admission.FAILED
         if hit is None:
             return Admission.SKIPPED  # the connector asks to be asked again next step
         return self._admit(request, hit, plan)
@@ -274,7 +307,16 @@ class Scheduler:
         if new_blocks is None:
             return Admission.BLOCKED
         # KV connector: update_state_after_alloc for every admitted request (external 0 too).
-        self._kv.after_alloc(request, hit)
+        try:
+            self._kv.after_alloc(request, hit)
+        except ConnectorHookError as e:
+            # Blocks just published to the prefix cache would never be computed: unpublish
+            # all but the hit and what the request computed before.
+            self.kv_cache_manager.uncache_blocks(
+                request, request.num_computed_tokens + hit.num_local
+            )
+            self._fail_admission(request, str(e))
+            return Admission.FAILED
         if request.prefill_stats is None:
             request.prefill_stats = PrefillStats(
                 num_prompt_tokens=request.num_prompt_tokens,
@@ -293,11 +335,51 @@ class Scheduler:
         plan.schedule_new(request, num_new)
         return Admission.SCHEDULED
 
+    def _fail_admission(self, request: Request, message: str) -> None:
+        """End a waiting request whose admission failed in a connector hook; the caller takes
+        it out of its queue. Its blocks (if any) are released after the step."""
+        logger.warning("request %s failed: %s", request.request_id, message)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = message
+        outcome = self._kv.request_finished(request)
+        self.finished_req_ids.add(request.request_id)
+        self._failed_admissions.append((request, outcome))
+
+    def _release_failed_admissions(self) -> list[EngineCoreOutput]:
+        failed, self._failed_admissions = self._failed_admissions, []
+        outputs: list[EngineCoreOutput] = []
+        for request, outcome in failed:
+            if not outcome.held:
+                self._free_blocks(request)
+            outputs.append(make_engine_output(request, [], None, outcome.kv_transfer_params))
+        return outputs
+
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance now rather than after the forward, so the next schedule() (and a later
         # pipelined one) already sees these tokens as taken.
         for req_id, num in output.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num
+
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The step of ``scheduler_output`` raised before its results were applied, so the KV
+        of its tokens may never have been written (or loaded). Unpublish the blocks that hold
+        them, which allocation published ahead of the forward, so that no later request
+        reuses them; the requests keep their blocks. With sync loads in the step, new
+        requests keep none of their published blocks (their loads may not have happened)."""
+        so = scheduler_output
+        valid = {
+            new.req_id: 0 if so.has_sync_kv_loads else new.num_computed_tokens
+            for new in so.scheduled_new_reqs
+        }
+        cached = so.scheduled_cached_reqs
+        valid.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        self._unpublish(valid)
+
+    def _unpublish(self, num_valid_tokens: dict[str, int]) -> None:
+        for req_id, num_valid in num_valid_tokens.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                self.kv_cache_manager.uncache_blocks(request, num_valid)
 
     # -- update from the workers ----------------------------------------------------------
 
@@ -308,11 +390,16 @@ class Scheduler:
         finished. Finished requests are freed and leave the scheduler, unless the connector
         holds their blocks (then they leave when the transfer is reported done).
 
-        Order: KV load failures (so no token sampled on bad KV is emitted), sampled tokens,
-        then the connector output (``update_connector_output``, finished loads and sends).
+        Order: requests that failed while being scheduled, KV load failures (so no token
+        sampled on bad KV is emitted), requests the workers failed, sampled tokens, then the
+        connector output (``update_connector_output``, finished loads and sends).
         """
         kv_out = model_runner_output.kv_connector_output
-        void, outputs = self._handle_load_failures(scheduler_output, kv_out)
+        outputs, self._undelivered = self._undelivered, []
+        outputs += self._release_failed_admissions()
+        void, failed_loads = self._handle_load_failures(scheduler_output, kv_out)
+        outputs += failed_loads
+        outputs += self._handle_worker_failures(model_runner_output.failed, void)
         outputs += self._process_sampled(scheduler_output, model_runner_output, void)
         # KV connector: completions; blocks of finished requests may be released now.
         for req_id in self._kv.process_transfers(kv_out, self.requests):
@@ -331,6 +418,21 @@ class Scheduler:
             kv_out, self.requests, [*loading, *self.running], so.num_scheduled_tokens
         )
         return void, [self._finish(r, RequestStatus.FINISHED_ERROR) for r in to_fail]
+
+    def _handle_worker_failures(
+        self, failed: dict[str, str], void: set[str]
+    ) -> list[EngineCoreOutput]:
+        """Finish the requests the workers could not continue this step. One being recomputed
+        after a bad KV load (in ``void``) gets another try: what it sampled was void anyway."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, message in failed.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished or req_id in void:
+                continue
+            logger.warning("request %s failed: %s", req_id, message)
+            request.error = message
+            outputs.append(self._finish(request, RequestStatus.FINISHED_ERROR))
+        return outputs
 
     def _process_sampled(
         self, so: SchedulerOutput, out: ModelRunnerOutput, void: set[str]
@@ -361,10 +463,14 @@ class Scheduler:
     # -- finishing ------------------------------------------------------------------------
 
     def finish_requests(
-        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+        self,
+        request_ids: str | Iterable[str],
+        finished_status: RequestStatus,
+        error: str | None = None,
     ) -> list[EngineCoreOutput]:
-        """Finish requests from outside the step loop: aborts, or stop strings found by the
-        engine's detokenizer. Unknown or already finished ids are ignored.
+        """Finish requests from outside the step loop: aborts, stop strings found by the
+        engine's detokenizer, or (FINISHED_ERROR, with ``error`` saying why) a request whose
+        output the engine could not process. Unknown or already finished ids are ignored.
 
         Returns one final output (no new tokens) per request finished here. It carries the
         ``kv_transfer_params`` the connector returned from ``request_finished``: the engine
@@ -378,6 +484,8 @@ class Scheduler:
         for req_id in ids:
             request = self.requests.get(req_id)
             if request is not None and not request.is_finished:
+                if error is not None:
+                    request.error = error
                 outputs.append(self._finish(request, finished_status))
         return outputs
 
@@ -401,15 +509,19 @@ class Scheduler:
     def _free_request(
         self, request: Request, load_in_flight: bool = False
     ) -> dict[str, Any] | None:
-        """Retire a finished request; returns the connector's kv_transfer_params."""
+        """Retire a finished request; returns the connector's kv_transfer_params. A failing
+        ``request_finished`` turns the request's end into an error (an abort stays one)."""
         assert request.is_finished
         # KV connector: request_finished before freeing; held blocks (a delayed free or a
         # load in flight) stay, with the request, until the transfer is reported done.
-        held, params = self._kv.request_finished(request, load_in_flight)
+        outcome = self._kv.request_finished(request, load_in_flight)
+        if outcome.error is not None and request.status != RequestStatus.FINISHED_ABORTED:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = request.error or outcome.error
         self.finished_req_ids.add(request.request_id)
-        if not held:
+        if not outcome.held:
             self._free_blocks(request)
-        return params
+        return outcome.kv_transfer_params
 
     def _free_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -10,9 +10,13 @@ connector holds for finished requests); otherwise it sleeps on an event every co
 an idle server uses no CPU. A step without any output (only transfers in flight) backs off
 from 0.5 ms to 5 ms before the next; a command cuts the wait short.
 
-A step that raises fails the requests in flight with :class:`EngineStepError` and aborts them;
-the thread keeps serving. After ``MAX_CONSECUTIVE_STEP_ERRORS`` failing steps in a row (or a
-failing abort) the engine is dead: requests fail fast with :class:`EngineDeadError`.
+A fault of one request inside a step (see ``LLMEngine.step``) ends only that request: its
+stream gets a final output with finish reason ``error`` and ``RequestOutput.error``, and the
+step counts as a good one. A step that raises is a fault of the engine: it fails the requests
+in flight with :class:`EngineStepError` and aborts them; the thread keeps serving. After
+``MAX_CONSECUTIVE_STEP_ERRORS`` failing steps with no step producing output in between (or a
+failing abort) the engine is dead, ``dead_reason`` says why (``/health`` shows it), and
+requests fail fast with :class:`EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -207,11 +211,18 @@ class AsyncLLM:
         self._submit(cmd)
         return await asyncio.wrap_future(cmd.future)  # type: ignore[no-any-return]
 
-    async def release_kv_transfer(self, kv_transfer_params: dict[str, Any]) -> str:
+    async def release_kv_transfer(
+        self, kv_transfer_params: dict[str, Any], timeout: float = 30.0
+    ) -> str:
         """Hand ``kv_transfer_params`` to the connector's ``request_finished`` through a
         one-token request that is aborted right after it is added (no step in between), so
         the connector releases whatever those params hold (e.g. a prefill instance's blocks
-        kept for a decode that will never come). Returns the dummy request's id."""
+        kept for a decode that will never come).
+
+        Returns the dummy request's id once the scheduler let go of it. A connector that
+        keeps it (a delayed free) until the release is done makes that mean the blocks are
+        back: the NixlConnector waits for the prefill side's answer, or gives up after a
+        bounded time. Raises EngineStepError past ``timeout`` seconds."""
         if not self.has_kv_connector:
             raise ConfigError("this server runs without a KV connector; nothing to release")
         if not isinstance(kv_transfer_params, dict) or not kv_transfer_params:
@@ -225,7 +236,17 @@ class AsyncLLM:
             engine.abort_request(rid)
             return rid
 
-        return await self.call(add_and_abort)
+        rid = await self.call(add_and_abort)
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + timeout, 0.001
+        while await self.call(lambda engine: engine.scheduler.get_request(rid) is not None):
+            if loop.time() >= deadline:
+                raise EngineStepError(
+                    f"the KV connector did not complete the release within {timeout:g}s"
+                )
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        return rid
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread (requests in flight fail) and shut the engine down."""
@@ -347,13 +368,17 @@ class AsyncLLM:
         except Exception as e:
             self._consecutive_errors += 1
             logger.exception("engine step failed (%d in a row)", self._consecutive_errors)
-            reason = f"engine step failed: {type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
             if self._consecutive_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
-                self._declare_dead(engine, reason)
+                n = self._consecutive_errors
+                self._declare_dead(engine, f"the engine step failed {n} times in a row: {error}")
             else:
-                self._fail_all(engine, EngineStepError(reason))
+                self._fail_all(engine, EngineStepError(f"engine step failed: {error}"))
             return False
-        self._consecutive_errors = 0
+        # Only a step that produced output proves the engine works again: the empty step that
+        # flushes the aborted requests' ids runs no forward and must not reset the count.
+        if outputs:
+            self._consecutive_errors = 0
         self._collect_kv_stats(engine)
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvferry import envs
 from kvferry.config import ConfigError, EngineConfig
 from kvferry.core.block_hash import get_request_block_hasher
+from kvferry.core.outputs import EngineCoreOutput
 from kvferry.core.scheduler import Scheduler
 from kvferry.engine.arg_utils import EngineArgs
 from kvferry.engine.output_processor import OutputProcessor
@@ -29,6 +30,28 @@ from kvferry.tokenizer import Tokenizer
 from kvferry.worker.executor import UniProcExecutor
 
 logger = init_logger(__name__)
+
+
+def _merge_finals(outputs: list[RequestOutput], finals: list[EngineCoreOutput]) -> None:
+    """Merge what ``finish_requests`` returned for requests the output processor ended into the
+    final outputs already built: the connector's kv_transfer_params, and an error if the
+    connector's ``request_finished`` failed."""
+    by_id = {f.request_id: f for f in finals}
+    for out in outputs:
+        final = by_id.get(out.request_id)
+        if final is None:
+            continue
+        if final.kv_transfer_params:
+            out.kv_transfer_params = final.kv_transfer_params
+        if final.finish_reason == "error" and out.error is None:
+            out.outputs[0].finish_reason, out.outputs[0].stop_reason = "error", None
+            out.error = final.error
+
+
+def _is_token_list(value: Any) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 class LLMEngine:
@@ -78,16 +101,29 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; a dict with ``prompt_token_ids`` is not tokenized
+        again (the server tokenizes in its own threads and hands over the ids)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+                if not _is_token_list(ids):
+                    raise ConfigError("prompt_token_ids must be a list of integers")
+                if text is not None and not isinstance(text, str):
+                    raise ConfigError("a prompt dict's 'prompt' must be a string")
+                return text, list(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ConfigError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(
+                    f"the prompt is not valid Unicode text: a lone UTF-16 surrogate at {e.start}"
+                ) from None
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if _is_token_list(prompt):
             return None, list(prompt)
         raise ConfigError(f"unsupported prompt type {type(prompt).__name__}")
 
@@ -98,11 +134,18 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> str:
-        """Validate and enqueue one request; raises ConfigError on bad input."""
+        """Validate and enqueue one request; raises ConfigError on bad input. ``max_tokens``
+        beyond what the prompt leaves of ``max_model_len`` is not an error here (the request
+        stops at the context's end, finish reason ``length``, as in vLLM's offline LLM); the
+        server refuses it instead."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"expected SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
         max_len = self.config.model_config.max_len
         vocab = self.config.model_config.arch.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be in [0, {vocab})")
         if not ids:
             raise ConfigError("the prompt is empty")
         if len(ids) >= max_len:
@@ -147,21 +190,40 @@ class LLMEngine:
         return self.scheduler.has_requests()
 
     def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> update round; returns the outputs of requests that
+        progressed or finished.
+
+        A fault of one request (a connector hook that raised for it, sampling or detokenizing
+        that failed for it) ends only that request: finish reason ``error``, with
+        ``RequestOutput.error`` saying why. An exception raised from here is a fault of the
+        step as a whole (e.g. the forward). It is not narrowed down by re-running the step
+        without a suspect request: ``schedule()`` has already advanced every request and
+        handed blocks and plans to the connector and the workers, and the forward may have
+        written part of the KV or started transfers. The connector protocol cannot undo any
+        of that, so a re-run would start from half-applied state. What a failed step leaves
+        is only made safe: its blocks leave the prefix cache (``Scheduler.discard_step``), and
+        the caller aborts its requests.
+        """
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+            core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except BaseException:
+            self.scheduler.discard_step(scheduler_output)
+            raise
         self._collect_kv_connector_stats()
         processed = self.output_processor.process(core_outputs)
+        finals: list[EngineCoreOutput] = []
         if processed.stopped_by_string:
-            finals = self.scheduler.finish_requests(
+            finals += self.scheduler.finish_requests(
                 processed.stopped_by_string, RequestStatus.FINISHED_STOPPED
             )
-            # The connector's kv_transfer_params of a request stopped by a stop string come
-            # from finish_requests; attach them to the final output already built.
-            params = {f.request_id: f.kv_transfer_params for f in finals}
-            for out in processed.outputs:
-                if params.get(out.request_id):
-                    out.kv_transfer_params = params[out.request_id]
+        for request_id, error in processed.failed.items():
+            finals += self.scheduler.finish_requests(
+                request_id, RequestStatus.FINISHED_ERROR, error
+            )
+        if finals:
+            _merge_finals(processed.outputs, finals)
         for out in processed.outputs:
             if out.finished and out.metrics is not None and not self.kv_connector_totals.is_empty():
                 out.metrics.kv_connector = self.kv_connector_totals.as_dict()

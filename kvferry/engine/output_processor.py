@@ -2,6 +2,10 @@
 
 It detokenizes incrementally, detects stop strings (which the scheduler cannot see, since it
 works on token ids) and tells the caller which requests must be stopped for that reason.
+
+Each request is processed on its own: one whose output cannot be processed (the detokenizer
+raises, e.g. on a token id the tokenizer does not know) ends with finish reason ``error`` and
+a message, and the caller finishes it in the scheduler; the other requests are unaffected.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ import time
 from dataclasses import dataclass, field
 
 from kvferry.core.outputs import EngineCoreOutput
+from kvferry.logger import init_logger
 from kvferry.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvferry.sampling_params import SamplingParams
 from kvferry.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -35,6 +42,9 @@ class ProcessedOutputs:
     outputs: list[RequestOutput]
     # Requests whose output hit a stop string: the engine must finish them in the scheduler.
     stopped_by_string: list[str]
+    # Requests whose output could not be processed -> why: the engine must finish them in the
+    # scheduler with an error (their final output is in ``outputs`` already).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -62,32 +72,48 @@ class OutputProcessor:
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.time()
-        results: list[RequestOutput] = []
-        stopped: list[str] = []
+        result = ProcessedOutputs([], [])
         for out in core_outputs:
             state = self.states.get(out.request_id)
             if state is None:  # aborted by the caller meanwhile
                 continue
-            if out.new_token_ids and state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.num_local_cached_tokens = out.num_local_cached_tokens
-            state.metrics.num_external_cached_tokens = out.num_external_cached_tokens
-            state.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs:
-                state.logprobs.extend(out.new_logprobs)
-            if out.new_token_ids:
-                state.text += state.detok.add(out.new_token_ids)
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if finish_reason is None and self._check_stop_strings(state):
-                finish_reason, stop_reason = "stop", state.stop_reason
-                stopped.append(out.request_id)
-            if finish_reason is not None:
-                state.finish_reason = finish_reason
-                state.stop_reason = stop_reason
+            try:
+                stopped_by_string = self._apply(state, out, now)
+            except Exception as e:
+                logger.exception("processing the output of request %s failed", out.request_id)
+                error = f"processing the output failed: {type(e).__name__}: {e}"
+                result.failed[out.request_id] = error
+                state.finish_reason, state.stop_reason = "error", None
                 state.metrics.finished_time = now
-                del self.states[out.request_id]
-            results.append(self._make_output(state, out))
-        return ProcessedOutputs(results, stopped)
+                self.states.pop(out.request_id, None)
+                result.outputs.append(self._make_output(state, out, error))
+                continue
+            if stopped_by_string:
+                result.stopped_by_string.append(out.request_id)
+            result.outputs.append(self._make_output(state, out, out.error))
+        return result
+
+    def _apply(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
+        """Add one step's output to ``state``; True if a stop string ended it."""
+        if out.new_token_ids and state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.num_local_cached_tokens = out.num_local_cached_tokens
+        state.metrics.num_external_cached_tokens = out.num_external_cached_tokens
+        state.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            state.logprobs.extend(out.new_logprobs)
+        if out.new_token_ids:
+            state.text += state.detok.add(out.new_token_ids)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        stopped_by_string = finish_reason is None and self._check_stop_strings(state)
+        if stopped_by_string:
+            finish_reason, stop_reason = "stop", state.stop_reason
+        if finish_reason is not None:
+            state.finish_reason = finish_reason
+            state.stop_reason = stop_reason
+            state.metrics.finished_time = now
+            del self.states[out.request_id]
+        return stopped_by_string
 
     def _check_stop_strings(self, state: RequestState) -> bool:
         stops = state.params.stop
@@ -107,7 +133,9 @@ class OutputProcessor:
         return True
 
     @staticmethod
-    def _make_output(state: RequestState, out: EngineCoreOutput) -> RequestOutput:
+    def _make_output(
+        state: RequestState, out: EngineCoreOutput, error: str | None
+    ) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
             text=state.text,
@@ -124,5 +152,5 @@ class OutputProcessor:
             finished=state.finish_reason is not None,
             metrics=state.metrics,
             kv_transfer_params=out.kv_transfer_params,
-            error=out.error,
+            error=error,
         )

@@ -4,11 +4,15 @@ Greedy rows take the argmax. Random rows apply temperature, then top-k, then top
 with the request's own generator when it set a seed (reproducible regardless of batch mates)
 or with the engine's generator otherwise. Logprobs come from the raw logits, before any
 sampling transform, as in vLLM's default.
+
+A random row whose transformed probabilities are no distribution (non-finite, or all zero:
+e.g. a NaN or tiny temperature, a top_p below float32 resolution) fails alone: it gets no
+token and an error message; the other rows are sampled as usual.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,9 +28,13 @@ class SamplingRow:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    # Per row: {token: logprob} with the sampled token and the top-n, or None when not asked.
+    # Per row: the sampled token, or None when the row failed (see ``errors``).
+    token_ids: list[int | None]
+    # Per row: {token: logprob} with the sampled token and the top-n, or None when not asked
+    # (or the row failed).
     logprobs: list[dict[int, float] | None]
+    # Failed rows: row index -> why.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -44,12 +52,22 @@ class Sampler:
         else:
             tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        errors: dict[int, str] = {}
         if random_rows:
             tokens = tokens.clone()
             for i in random_rows:
-                tokens[i] = self._sample_row(logits[i], rows[i])
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logits, rows, token_list))
+                try:
+                    tokens[i] = self._sample_row(logits[i], rows[i])
+                except Exception as e:  # e.g. torch refusing an invalid distribution
+                    p = rows[i].params
+                    errors[i] = (
+                        f"sampling failed (temperature={p.temperature!r}, top_p={p.top_p!r}, "
+                        f"top_k={p.top_k!r}): {e}"
+                    )
+        token_list: list[int | None] = tokens.tolist()
+        for i in errors:
+            token_list[i] = None
+        return SamplerOutput(token_list, self._logprobs(logits, rows, token_list), errors)
 
     def _sample_row(self, row_logits: torch.Tensor, row: SamplingRow) -> int:
         p = row.params
@@ -71,7 +89,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]
+        logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int | None]
     ) -> list[dict[int, float] | None]:
         want = [r.params.logprobs for r in rows]
         if all(n is None for n in want):
@@ -79,12 +97,13 @@ class Sampler:
         logp = torch.log_softmax(logits, dim=-1)
         out: list[dict[int, float] | None] = []
         for i, n in enumerate(want):
-            if n is None:
+            token = tokens[i]
+            if n is None or token is None:
                 out.append(None)
                 continue
-            entry = {tokens[i]: float(logp[i, tokens[i]])}
+            entry = {token: float(logp[i, token])}
             if n > 0:
-                vals, idx = torch.topk(logp[i], n)
+                vals, idx = torch.topk(logp[i], min(n, logp.shape[-1]))
                 entry.update(zip(idx.tolist(), vals.tolist(), strict=True))
             out.append(entry)
         return out

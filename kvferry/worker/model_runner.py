@@ -4,6 +4,11 @@ step, runs the model inside a forward context and samples.
 The scheduler owns the truth about requests; the runner mirrors what it needs (token ids,
 block table, sampling state) from each ``SchedulerOutput`` and appends its own sampled tokens,
 so only block ids and counts travel from the scheduler for requests already known here.
+
+A request the runner cannot serve (its seed fits no generator, or its row of the sampler finds
+no valid distribution) still runs its forward, so its KV is valid for whoever saves or shares
+it, but samples nothing: it is reported in ``ModelRunnerOutput.failed`` and the scheduler ends
+it, while the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -69,15 +74,22 @@ class ModelRunner:
         )
         # Drives the worker-side KV connector around each step (None without a connector).
         self.kv_driver: KVConnectorDriver | None = None
+        # Requests that can never be sampled (their seed fits no generator) -> why; reported
+        # as failed every step they are in, until the scheduler has finished them.
+        self.unservable: dict[str, str] = {}
 
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self.unservable.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
-            gen = None
+            gen, error = None, None
             if sp.seed is not None and not sp.greedy:
-                gen = torch.Generator(device="cpu").manual_seed(sp.seed)
+                try:
+                    gen = torch.Generator(device="cpu").manual_seed(sp.seed)
+                except Exception as e:  # e.g. a seed beyond 64 bits
+                    error = f"seed {sp.seed!r} cannot seed a generator: {e}"
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
@@ -87,6 +99,8 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 generator=gen,
             )
+            if error is not None:
+                self.unservable[new.req_id] = error
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -166,22 +180,31 @@ class ModelRunner:
     def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(batch.req_ids)
-        if batch.sample_rows:
-            last = batch.sample_tokens
+        failed: dict[str, str] = {}
+        if self.unservable:
+            failed = {r: self.unservable[r] for r in batch.req_ids if r in self.unservable}
+        sample_rows, last = batch.sample_rows, batch.sample_tokens
+        if failed:
+            keep = [i for i, r in enumerate(sample_rows) if batch.req_ids[r] not in failed]
+            sample_rows, last = [sample_rows[i] for i in keep], [last[i] for i in keep]
+        if sample_rows:
             if len(last) == hidden.shape[0]:  # every row is a sampled decode: all of hidden
                 logits = self.model.compute_logits(hidden)
             else:
                 logits = self.model.compute_logits(hidden[long_tensor(last, hidden.device)])
-            states = [self.requests[batch.req_ids[r]] for r in batch.sample_rows]
+            states = [self.requests[batch.req_ids[r]] for r in sample_rows]
             rows = [SamplingRow(s.sampling_params, s.generator) for s in states]
             out = self.sampler(logits, rows)
-            for row, state, token, lp in zip(
-                batch.sample_rows, states, out.token_ids, out.logprobs, strict=True
+            for i, (row, state, token, lp) in enumerate(
+                zip(sample_rows, states, out.token_ids, out.logprobs, strict=True)
             ):
+                if token is None:
+                    failed[state.req_id] = out.errors[i]
+                    continue
                 state.token_ids.append(token)
                 sampled[row] = [token]
                 if lp is not None:
                     logprobs[row] = [lp]
         return ModelRunnerOutput(
-            req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
+            req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs, failed=failed
         )

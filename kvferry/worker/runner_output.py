@@ -19,6 +19,9 @@ class ModelRunnerOutput:
     # Per request, when it asked for logprobs: one entry per sampled token.
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     kv_connector_output: KVConnectorOutput | None = None
+    # Requests the worker could not continue this step (e.g. sampling found no valid
+    # distribution), with why; they sampled nothing and the scheduler ends them with an error.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()
