@@ -19,6 +19,15 @@ Per step the engine calls, in this order::
                -> build_connector_worker_meta -> clear_connector_metadata
     scheduler: update_connector_output -> (finished_recving / finished_sending handled)
                -> request_finished for requests that ended
+
+When a hook raises: an exception from a per-request scheduler hook
+(``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``request_finished``), or a
+lookup answer outside its contract, ends only that request (finish reason ``error``, the
+message in its output; its blocks freed, none of them left in the prefix cache); the step's
+other requests go on. An exception from a step-wide hook (``build_connector_meta`` and every
+worker-side hook) fails that step's requests as an engine fault, and three failing steps in a
+row without output mark the engine dead. Report failed loads through
+``get_block_ids_with_load_errors`` / ``get_failed_recving`` instead of raising.
 """
 
 from __future__ import annotations
