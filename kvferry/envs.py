@@ -59,3 +59,8 @@ def kv_secret() -> str | None:
 def kv_secret_file() -> str | None:
     """KVFERRY_KV_SECRET_FILE: a file holding the deployment secret (see kv_transfer.secret)."""
     return os.environ.get("KVFERRY_KV_SECRET_FILE") or None
+
+
+def api_key() -> str | None:
+    """KVFERRY_API_KEY: the API key of ``kvferry serve`` when neither flag gives one."""
+    return os.environ.get("KVFERRY_API_KEY") or None

@@ -140,3 +140,38 @@ def test_limits_are_checked_at_start(tiny_model_factory, capsys) -> None:
     assert main(["serve", model, "--header-timeout", "0", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --header-timeout must be positive") and "Traceback" not in err
+
+
+def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch) -> None:
+    from kvferry.config import ConfigError
+    from kvferry.entrypoints.openai.api_server import resolve_api_key
+
+    monkeypatch.delenv("KVFERRY_API_KEY", raising=False)
+    assert resolve_api_key(None, None) is None
+    monkeypatch.setenv("KVFERRY_API_KEY", "from-env")
+    assert resolve_api_key(None, None) == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key(None, str(key_file)) == "from-file"
+    assert resolve_api_key("from-flag", None) == "from-flag"
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_api_key("from-flag", str(key_file))
+    key_file.write_text("two words")
+    with pytest.raises(ConfigError, match="one key"):
+        resolve_api_key(None, str(key_file))
+
+
+def test_proxy_refuses_oversize_bodies_before_reading_them() -> None:
+    from fastapi.testclient import TestClient
+
+    from kvferry.entrypoints.openai.limits import ServerLimits
+    from kvferry.entrypoints.proxy import PDProxy, build_proxy_app
+
+    # No instance is reachable: a body the proxy let through would be a 503, not a 413.
+    proxy = PDProxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], timeout=1.0)
+    app = build_proxy_app(proxy, ServerLimits(max_request_body_bytes=1024))
+    with TestClient(app) as client:
+        big = {"model": "m", "prompt": "x" * 4096, "max_tokens": 1}
+        r = client.post("/v1/completions", json=big)
+        assert r.status_code == 413, r.text
+        assert "larger than the limit" in r.json()["error"]["message"]

@@ -213,7 +213,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     EngineArgs.add_cli_args(p, positional_model=True)
     _add_http_args(p, 8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (prefer --api-key-file or "
+        "KVFERRY_API_KEY: a command line is visible to every local user)",
+    )
+    p.add_argument("--api-key-file", default=None, help="file holding the API key")
     p.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: MODEL)"
     )

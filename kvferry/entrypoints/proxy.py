@@ -17,6 +17,11 @@ prefill instance's ``POST /v1/kv/release`` so its held blocks are freed now. It 
 when the client disconnects or a read times out: the decode instance may still be reading those
 blocks; it aborts the request itself, and the connector's lease frees the prefill side.
 ``/health`` checks every instance; ``/metrics`` has the proxy's own counters.
+
+Upstream authentication: with ``--upstream-api-key-file FILE`` every call to an instance
+(prefill, decode, release, models) carries ``Authorization: Bearer <the file's content>``
+instead of whatever the client sent, so the instances' ``--api-key`` also covers the proxy's
+releases. Without it the client's ``Authorization`` header is passed on as is.
 """
 
 from __future__ import annotations
@@ -37,14 +42,17 @@ from fastapi.responses import JSONResponse, Response
 
 from kvferry.config import ConfigError
 from kvferry.entrypoints.openai.http_utils import (
+    BodyLimitMiddleware,
     EventStream,
     SSEResponse,
     error_body,
     listen_socket,
+    read_api_key_file,
     serve_app,
     sse,
     unless_disconnected,
 )
+from kvferry.entrypoints.openai.limits import ServerLimits
 from kvferry.logger import init_logger, kv
 from kvferry.metrics import CONTENT_TYPE, ProxyMetrics
 
@@ -91,9 +99,16 @@ class _UpstreamError(Exception):
 
 
 class PDProxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        timeout: float = 600.0,
+        upstream_api_key: str | None = None,
+    ) -> None:
         if not prefill or not decode:
             raise ConfigError("the proxy needs at least one --prefill and one --decode URL")
+        self._upstream_auth = f"Bearer {upstream_api_key}" if upstream_api_key else None
         self.prefill = [normalize_url(u) for u in prefill]
         self.decode = [normalize_url(u) for u in decode]
         self._next_p = itertools.cycle(self.prefill)
@@ -103,6 +118,10 @@ class PDProxy:
         self.client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Future[bool]] = set()
         self._warned_no_params = False
+
+    def upstream_authorization(self, request: Request) -> str | None:
+        """The Authorization header for calls to the instances on behalf of ``request``."""
+        return self._upstream_auth or request.headers.get("authorization")
 
     def _http(self) -> httpx.AsyncClient:
         if self.client is None:
@@ -130,7 +149,7 @@ class PDProxy:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
         headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
-        if auth := request.headers.get("authorization"):
+        if auth := self.upstream_authorization(request):
             headers["Authorization"] = auth
         finished, result = await unless_disconnected(
             request, self._route(body, endpoint, headers, time.perf_counter())
@@ -311,13 +330,21 @@ class PDProxy:
         return JSONResponse({"status": "ok", "instances": results})
 
 
-def build_proxy_app(proxy: PDProxy) -> FastAPI:
+def build_proxy_app(proxy: PDProxy, limits: ServerLimits | None = None) -> FastAPI:
+    """The proxy's app; clients get the same body size and read-time limits as ``serve``."""
+    limits = limits or ServerLimits()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
         yield
         await proxy.close()
 
     app = FastAPI(title="kvferry proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=limits.max_request_body_bytes,
+        timeout_s=limits.body_read_timeout,
+    )
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
@@ -334,7 +361,7 @@ def build_proxy_app(proxy: PDProxy) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        headers = {"Authorization": a} if (a := request.headers.get("authorization")) else {}
+        headers = {"Authorization": a} if (a := proxy.upstream_authorization(request)) else {}
         url = proxy.decode[0]
         try:
             r = await proxy._http().get(url + "/v1/models", headers=headers, timeout=10.0)
@@ -356,8 +383,12 @@ def build_proxy_app(proxy: PDProxy) -> FastAPI:
 
 
 def run_proxy(args: argparse.Namespace) -> int:
-    proxy = PDProxy(args.prefill, args.decode, timeout=args.timeout)
+    key_file = getattr(args, "upstream_api_key_file", None)
+    key = read_api_key_file(key_file, "upstream API key file") if key_file else None
+    proxy = PDProxy(args.prefill, args.decode, timeout=args.timeout, upstream_api_key=key)
     sock = listen_socket(args.host, args.port, "kvferry proxy")
     logger.info(kv("proxy", prefill=",".join(proxy.prefill), decode=",".join(proxy.decode)))
-    serve_app(build_proxy_app(proxy), sock, args.uvicorn_log_level, lifespan="on")
+    limits = ServerLimits()
+    app = build_proxy_app(proxy, limits)
+    serve_app(app, sock, args.uvicorn_log_level, lifespan="on", limits=limits)
     return 0

@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvferry import envs
 from kvferry.config import ConfigError
 from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
 from kvferry.entrypoints.openai.http_utils import (
@@ -39,6 +40,7 @@ from kvferry.entrypoints.openai.http_utils import (
     EventStream,
     SSEResponse,
     listen_socket,
+    read_api_key_file,
     serve_app,
     unless_disconnected,
 )
@@ -183,18 +185,29 @@ def build_app(
     return app
 
 
+def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:
+    """The server's API key: ``--api-key``, else ``--api-key-file``, else ``KVFERRY_API_KEY``
+    (vLLM's ``VLLM_API_KEY`` in kvferry's name); at most one of the two flags."""
+    if flag and key_file:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if key_file:
+        return read_api_key_file(key_file)
+    return flag or envs.api_key()
+
+
 def run_server(args: argparse.Namespace) -> int:
     from kvferry.engine.arg_utils import EngineArgs
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
     limits = ServerLimits.from_cli_args(args)
+    api_key = resolve_api_key(args.api_key, getattr(args, "api_key_file", None))
     name = args.served_model_name or args.model
     sock = listen_socket(args.host, args.port, "kvferry serve")
     metrics = ServerMetrics(name)
     llm = AsyncLLM(config, observer=metrics)
     kvc = llm.engine.kv_cache_config
     metrics.attach(lambda: llm.snapshot, kvc.bytes_per_block / kvc.block_size)
-    app = build_app(llm, name, metrics, args.api_key, limits)
+    app = build_app(llm, name, metrics, api_key, limits)
     try:
         serve_app(app, sock, args.uvicorn_log_level, limits=limits)
     finally:

@@ -228,6 +228,22 @@ def guarded_h11_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
     return GuardedH11Protocol
 
 
+def read_api_key_file(path: str, what: str = "API key file") -> str:
+    """The API key in ``path`` (surrounding whitespace stripped); ConfigError if unusable."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4097)
+    except OSError as e:
+        raise ConfigError(f"cannot read the {what} {path!r}: {e.strerror}") from None
+    try:
+        key = data.decode().strip()
+    except UnicodeDecodeError:
+        key = ""
+    if not key or len(data) > 4096 or any(c.isspace() for c in key):
+        raise ConfigError(f"the {what} {path!r} must hold one key (text, no spaces, <= 4 KiB)")
+    return key
+
+
 def listen_socket(host: str, port: int, what: str) -> socket.socket:
     """A bound, listening socket (port 0: any free port); ConfigError if that fails. Prints
     ``WHAT listening on http://HOST:PORT`` (connections wait in the backlog until served)."""
