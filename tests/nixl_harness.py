@@ -16,6 +16,8 @@ line carrying the command's ``id``. The engine steps whenever it has work, betwe
   READ from that engine;
 * ``{"op": "die_after_claim", "id"}``: from now on, this process kills itself (SIGKILL)
   right after it grants a reader's claim, i.e. in the middle of that reader's transfer;
+* ``{"op": "try_release", "id", "kv_transfer_params"}``: as ``release``, but params refused at
+  intake are answered with ``error`` instead of ending the harness;
 * ``{"op": "exit"}``.
 """
 
@@ -36,8 +38,8 @@ def _die_after_claim() -> None:
 
     original = lease.LeaseTable.claim
 
-    def claim(self: Any, req: Any) -> Any:
-        reply = original(self, req)
+    def claim(self: Any, req: Any, *args: Any) -> Any:
+        reply = original(self, req, *args)
         if type(reply).__name__ == "Granted":  # die once the reply is on its way
             kill = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL))
             kill.daemon = True
@@ -160,6 +162,18 @@ def main() -> None:
             elif op == "slow_post":
                 _slow_posts(cmd["engine_id"], cmd["delay"])
                 send({"id": cid})
+            elif op == "try_release":  # like "release", but params refused at intake are answered
+                sp = SamplingParams(
+                    max_tokens=1, extra_args={"kv_transfer_params": cmd["kv_transfer_params"]}
+                )
+                rid = f"kv-release-{cid}"
+                try:
+                    engine.add_request([0], sp, rid)
+                except ConfigError as e:
+                    send({"id": cid, "error": str(e)})
+                    continue
+                engine.abort_request(rid)
+                send({"id": cid, "released": rid})
         if engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished and out.request_id in pending:

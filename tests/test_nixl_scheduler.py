@@ -21,8 +21,8 @@ from kvferry.kv_transfer.base import KVConnectorRole
 from kvferry.kv_transfer.connectors.nixl.connector import NixlConnector
 from kvferry.kv_transfer.connectors.nixl.metadata import NixlWorkerMeta
 from kvferry.kv_transfer.connectors.nixl.params import token_digest
-from kvferry.kv_transfer.output import KVConnectorOutput
 from kvferry.request import RequestStatus
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
 
 GOOD = {
     "do_remote_prefill": True,
@@ -188,4 +188,8 @@ def test_unadmitted_decode_request_releases_the_prefill_blocks():
         ("p-1", [7, 8, 9]),
         ("p-2", [7, 8, 9]),
     ]
+    # Neither held blocks: each ends once the workers report its release answered.
+    assert [r.req_id for r in releases] == [req.request_id, dummy.request_id]
+    assert sched.has_requests() and len(sched.requests) == 2
+    step(sched, kv_output=KVConnectorOutput(finished_sending={req.request_id, dummy.request_id}))
     assert_no_leaks(sched)

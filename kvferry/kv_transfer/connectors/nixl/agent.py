@@ -8,12 +8,26 @@ into single large transfers. Host tensors are registered as DRAM, CUDA tensors a
 same code moves host memory over TCP and device memory over RDMA/NVLink, as UCX allows.
 
 All calls must come from one thread (the engine's); the agent is created without locking.
+
+The backend's progress thread sleeps on UCX's event descriptors and wakes at least every
+``progress_interval`` seconds (the NIXL Python API would have it poll without ever sleeping,
+a full core while idle). UCX listens only on the interface of the configured side-channel
+host when that is one address of this machine (``UCX_NET_DEVICES``, unless the user set it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
 import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,15 +112,97 @@ class RemotePeer:
     dlist: Any  # nixl_prepped_dlist_handle
 
 
-class NixlTransport:
-    def __init__(self, name: str, backends: list[str], num_threads: int = 0) -> None:
+_SIOCGIFADDR = 0x8915
+_AGENT_CONFIG_LOCK = threading.Lock()
+
+
+def _interface_of(ip: str) -> str | None:
+    """The network interface whose (first IPv4) address is ``ip``; None if none or unknown."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                req = struct.pack("256s", name[:15].encode())
+                if socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24]) == ip:
+                    return name
+    return None
+
+
+def _rdma_ports() -> list[str]:
+    """UCX names (``device:port``) of this machine's RDMA ports: they listen on no IP."""
+    root = Path("/sys/class/infiniband")
+    with contextlib.suppress(OSError):
+        return sorted(f"{d.name}:{p.name}" for d in root.iterdir() for p in (d / "ports").iterdir())
+    return []
+
+
+def ucx_net_devices(host: str) -> str | None:
+    """The ``UCX_NET_DEVICES`` that keeps UCX's TCP listeners on the interface of ``host``
+    (RDMA ports stay usable), or None to leave UCX's choice: a wildcard, a name or an
+    address of no interface here."""
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return _interface_of("127.0.0.1") or "lo"
+    if ip.version != 4 or ip.is_unspecified:
+        return None
+    iface = _interface_of(str(ip))
+    return ",".join([iface, *_rdma_ports()]) if iface is not None else None
+
+
+@contextlib.contextmanager
+def _agent_settings(api: Any, progress_delay_us: int, net_devices: str | None) -> Iterator[None]:
+    """While a NIXL agent is built: UCX's device list (when the user set none), and a
+    progress-thread wake-up delay. ``nixl_agent`` hard-codes that delay to zero, which makes
+    the thread poll UCX without ever sleeping; an agent config whose ``pthrDelay`` cannot
+    go below ours is swapped in for the construction (the NIXL bindings allow subclasses)."""
+    bind: Any = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    patch = progress_delay_us > 0 and base is not None and hasattr(base, "pthrDelay")
+    set_env = net_devices is not None and "UCX_NET_DEVICES" not in os.environ
+    with _AGENT_CONFIG_LOCK:
+        if patch:
+
+            class _Config(base):  # type: ignore[misc, valid-type]
+                def __setattr__(self, key: str, value: Any) -> None:
+                    if key == "pthrDelay":
+                        value = max(int(value), progress_delay_us)
+                    super().__setattr__(key, value)
+
+            bind.nixlAgentConfig = _Config
+        if set_env:
+            os.environ["UCX_NET_DEVICES"] = str(net_devices)
         try:
+            yield
+        finally:
+            if patch:
+                bind.nixlAgentConfig = base
+            if set_env:
+                os.environ.pop("UCX_NET_DEVICES", None)
+
+
+class NixlTransport:
+    def __init__(
+        self,
+        name: str,
+        backends: list[str],
+        num_threads: int = 0,
+        progress_interval: float = 0.01,
+        bind_host: str | None = None,
+    ) -> None:
+        try:
+            from nixl import _api
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
             raise RuntimeError(f"NixlConnector needs the nixl package: {e}") from None
         cfg = nixl_agent_config(backends=list(backends), num_threads=num_threads)
         self.name = name
-        self.agent = nixl_agent(name, cfg)
+        devices = ucx_net_devices(bind_host) if bind_host else None
+        with _agent_settings(_api, round(progress_interval * 1e6), devices):
+            self.agent = nixl_agent(name, cfg)
         if not self.agent.backends:
             raise RuntimeError(
                 f"NixlConnector: none of the NIXL backends {backends} could be created "

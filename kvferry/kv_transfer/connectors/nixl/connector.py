@@ -27,7 +27,23 @@ Extra config (``kv_connector_extra_config``, see :class:`NixlOptions`): ``backen
 (``["UCX"]``), ``side_channel_host`` / ``side_channel_port`` (default ``kv_ip`` and
 ``kv_port`` + worker rank; port 0 picks a free one), ``kv_lease_duration`` (30 s),
 ``kv_lease_max_duration`` (600 s), ``heartbeat_interval`` (lease / 6),
-``handshake_timeout`` (5 s), ``transfer_timeout`` (120 s), ``num_threads`` (0).
+``handshake_timeout`` (5 s), ``transfer_timeout`` (120 s), ``num_threads`` (0),
+``secret_file``, ``auth_window`` (60 s), ``allow_unauthenticated`` (false),
+``progress_interval`` (0.01 s), ``max_reader_share`` (0.5), ``max_peer_inflight`` (8).
+
+Limits (:mod:`.peers`, :mod:`.lease`): a decode instance keeps side-channel work per prefill
+address (host, port, engine id): at most ``max_peer_inflight`` calls to one and 256 in all,
+each waiting at most ``handshake_timeout`` for a slot and as long for its answer, so a dead or
+forged peer delays only its own reads and releases. A prefill instance lets one reader keep
+at most ``max_reader_share`` of its pool claimed or renewed. A release answers once the
+prefill side did (or gave up). UCX's progress thread sleeps between events (waking at least
+every ``progress_interval``), and UCX listens only on the side-channel host's interface when
+that is an address of this machine (unless ``UCX_NET_DEVICES`` is set).
+
+Trust (:mod:`.auth`, docs/security.md): with a deployment secret every side-channel message
+is authenticated and replay-protected, and the params a prefill instance issues are signed;
+a decode instance refuses unsigned or altered params at intake. Without one the connector
+works on loopback only (one warning at start-up) unless ``allow_unauthenticated`` is set.
 """
 
 from __future__ import annotations
@@ -43,10 +59,15 @@ from kvferry.kv_transfer.base import (
     KVConnectorStats,
     KVConnectorWorkerMetadata,
 )
-from kvferry.kv_transfer.connectors.nixl.metadata import NixlConnectorMetadata, NixlOptions
-from kvferry.kv_transfer.connectors.nixl.params import Side, parse_remote, request_side
+from kvferry.kv_transfer.connectors.nixl.auth import check_exposure, load_peer_auth
+from kvferry.kv_transfer.connectors.nixl.metadata import (
+    NixlConnectorMetadata,
+    NixlOptions,
+    side_channel_address,
+)
 from kvferry.kv_transfer.connectors.nixl.scheduler import NixlConnectorScheduler
 from kvferry.kv_transfer.options import parse_options
+from kvferry.logger import init_logger
 
 if TYPE_CHECKING:
     import torch
@@ -54,11 +75,13 @@ if TYPE_CHECKING:
     from kvferry.config import EngineConfig
     from kvferry.core.kv_cache_config import KVCacheConfig
     from kvferry.core.kv_cache_manager import KVCacheBlocks
-    from kvferry.core.sched_output import SchedulerOutput
     from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
-    from kvferry.kv_transfer.output import KVConnectorOutput
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
+    from kvferry.step_types.kv_connector_output import KVConnectorOutput
+    from kvferry.step_types.scheduler_output import SchedulerOutput
+
+logger = init_logger(__name__)
 
 
 class NixlConnector(KVConnectorBase):
@@ -80,13 +103,26 @@ class NixlConnector(KVConnectorBase):
             raise ConfigError(f"{name} supports one KV cache group")
         engine_id = self._kv_transfer_config.engine_id
         assert engine_id is not None
+        auth = load_peer_auth(opts)
+        host, _ = side_channel_address(config, opts, rank=0)
+        check_exposure(host, auth, opts.allow_unauthenticated, name)
         self.connector_scheduler: NixlConnectorScheduler | None = None
         self.connector_worker: NixlConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlConnectorScheduler(
-                config, kv_cache_config, opts, engine_id
+                config, kv_cache_config, opts, engine_id, auth
             )
         else:
+            if auth is None:
+                logger.warning(
+                    "%s: the NIXL side channel on %s is not authenticated and kv_transfer_params "
+                    "are not signed: anyone who can reach it can read the KV this instance "
+                    "holds; configure a deployment secret (see docs/security.md)",
+                    name,
+                    host,
+                )
+            else:
+                logger.info("%s: side channel authenticated (secret from %s)", name, auth.source)
             # Imported here: the scheduler role never loads NIXL.
             from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
 
@@ -150,8 +186,7 @@ class NixlConnector(KVConnectorBase):
 
     # --------------------------------------------------------------- scheduler side
     def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
-        if request_side(params) is Side.DECODE:
-            parse_remote(params, self._kv_cache_config.block_size)
+        self._sched.validate(params)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -12,6 +12,11 @@ past ``max_hold`` seconds after the hold began). A hold ends, and its request is
 * its lease runs out (``reap``): a decode instance that never reads, or died, strands
   nothing.
 
+One reader cannot pin the pool: a reader (its engine id and side-channel address) may keep at
+most ``max_reader_blocks`` blocks (or one hold, however large) claimed or renewed at once.
+Past that its claims are told to retry and its heartbeats renew nothing new, so the holds it asked for end at their lease.
+No hold outlives ``max_hold`` whoever renews it.
+
 The side-channel thread and the engine thread both use the table; one lock guards it.
 """
 
@@ -22,7 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvferry.kv_transfer.connectors.nixl.handshake import (
     Ack,
@@ -37,6 +42,7 @@ from kvferry.kv_transfer.connectors.nixl.handshake import (
 logger = logging.getLogger(__name__)
 
 _MEMORY = 65536  # ended holds / expected ids remembered, for clear refusals
+_MAX_RENEWERS = 8  # readers charged for one unclaimed hold (the least recent one makes room)
 
 
 @dataclass
@@ -49,6 +55,8 @@ class Hold:
     deadline: float
     reader: str | None = None  # engine id of the claiming reader
     reader_agent: str | None = None
+    # Readers (identities) this hold counts against: its renewers, then only its claimer.
+    charged: dict[str, None] = field(default_factory=dict)  # in order of last renewal
 
 
 class LeaseTable:
@@ -59,11 +67,15 @@ class LeaseTable:
         lease_s: float,
         max_hold_s: float,
         clock: Callable[[], float] = time.monotonic,
+        max_reader_blocks: int | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.agent_name = agent_name
         self.lease_s = lease_s
         self.max_hold_s = max_hold_s
+        self.max_reader_blocks = max_reader_blocks  # None: no limit
+        self._load: dict[str, int] = {}  # reader identity -> blocks it keeps claimed/renewed
+        self._over: set[str] = set()  # identities at their limit (logged once each time)
         self._clock = clock
         self._lock = threading.Lock()
         self._holds: dict[str, Hold] = {}
@@ -143,7 +155,9 @@ class LeaseTable:
 
     # -- side-channel thread ---------------------------------------------------------------
 
-    def claim(self, req: ClaimRequest) -> PeerReply:
+    def claim(self, req: ClaimRequest, peer: str = "") -> PeerReply:
+        """``peer``: where the request came from, as the side channel knows it."""
+        who = _identity(req.reader_engine_id, peer)
         with self._lock:
             hold, refusal = self._find(req.engine_id, req.request_id)
             if hold is None:
@@ -159,23 +173,40 @@ class LeaseTable:
                 return Refused(
                     f"claim of {req.request_id!r} refused: engine {hold.reader} is reading it"
                 )
+            if not self._charge(hold, who):
+                return Refused(
+                    f"claim of {req.request_id!r} refused for now: reader "
+                    f"{req.reader_engine_id} already keeps {self._load.get(who, 0)} blocks "
+                    f"claimed or renewed here (limit {self.max_reader_blocks})",
+                    retry=True,
+                )
+            self._uncharge(hold, [r for r in hold.charged if r != who])
             hold.reader, hold.reader_agent = req.reader_engine_id, req.reader_agent
             return Granted(self.agent_name, self._renew(hold))
 
-    def heartbeat(self, engine_id: str, req_ids: Iterable[str], reader: str) -> PeerReply:
+    def heartbeat(
+        self, engine_id: str, req_ids: Iterable[str], reader: str, peer: str = ""
+    ) -> PeerReply:
         if engine_id != self.engine_id:
             return Refused(f"this is engine {self.engine_id}, not {engine_id}")
         held: dict[str, float] = {}
         read: list[str] = []
         done_by_reader = f"read by engine {reader}"
+        who = _identity(reader, peer)
         with self._lock:
             for req_id in req_ids:
                 hold = self._holds.get(req_id)
-                if hold is not None and hold.reader in (None, reader):
+                if hold is None:
+                    if self._ended.get(req_id) == done_by_reader:
+                        read.append(req_id)
+                elif hold.reader == reader or (hold.reader is None and self._charge(hold, who)):
                     held[req_id] = self._renew(hold)
-                elif hold is None and self._ended.get(req_id) == done_by_reader:
-                    read.append(req_id)
         return Renewed(held, read)
+
+    def load_of(self, reader: str, peer: str = "") -> int:
+        """Blocks the reader keeps claimed or renewed here now."""
+        with self._lock:
+            return self._load.get(_identity(reader, peer), 0)
 
     def release(self, req: ReleaseRequest) -> PeerReply:
         with self._lock:
@@ -219,9 +250,54 @@ class LeaseTable:
         hold.deadline = max(hold.deadline, min(now + self.lease_s, hold.started + self.max_hold_s))
         return max(0.0, hold.deadline - now)
 
+    def _charge(self, hold: Hold, who: str) -> bool:
+        """Count ``hold`` against reader ``who`` unless that takes it past its limit."""
+        if who in hold.charged:
+            del hold.charged[who]
+            hold.charged[who] = None  # the most recent renewer now
+            return True
+        cap = self.max_reader_blocks
+        had = self._load.get(who, 0)
+        load = had + len(hold.block_ids)
+        if cap is not None and load > cap and had:  # one hold is always allowed
+            if who not in self._over:
+                self._over.add(who)
+                logger.warning(
+                    "NIXL: reader %s keeps %d blocks claimed or renewed here, the most one "
+                    "reader may (max_reader_share); its further claims wait and renewals are "
+                    "ignored",
+                    who,
+                    had,
+                )
+            return False
+        if len(hold.charged) >= _MAX_RENEWERS:
+            self._uncharge(hold, [next(iter(hold.charged))])
+        self._load[who] = load
+        hold.charged[who] = None
+        return True
+
+    def _uncharge(self, hold: Hold, readers: Iterable[str] | None = None) -> None:
+        """Stop counting ``hold`` against ``readers`` (default: all it is charged to)."""
+        for who in list(hold.charged if readers is None else readers):
+            del hold.charged[who]
+            left = self._load.get(who, 0) - len(hold.block_ids)
+            if left > 0:
+                self._load[who] = left
+            else:
+                self._load.pop(who, None)
+                self._over.discard(who)
+
     def _end(self, hold: Hold, reason: str) -> None:
+        self._uncharge(hold)
         del self._holds[hold.req_id]
         self._finished[hold.req_id] = reason
         self._ended[hold.req_id] = reason
         while len(self._ended) > _MEMORY:
             self._ended.popitem(last=False)
+
+
+def _identity(reader: str, peer: str) -> str:
+    """Who a reader is for the per-reader limit: its engine id, and its host when known (a
+    port would differ between its connections)."""
+    host, _, port = peer.rpartition(":")
+    return f"{reader}@{host if host and port.isdigit() else peer}" if peer else reader

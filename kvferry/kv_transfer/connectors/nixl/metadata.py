@@ -20,6 +20,7 @@ from kvferry.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+from kvferry.kv_transfer.connectors.nixl.params import ParamsProof
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
@@ -48,6 +49,22 @@ class NixlOptions:
     transfer_timeout: float = 120.0
     # Progress threads of the backend (0: NIXL's default).
     num_threads: int = 0
+    # A file holding the deployment secret (else KVFERRY_KV_SECRET_FILE / KVFERRY_KV_SECRET;
+    # see kvferry.kv_transfer.secret): authenticates the side channel and signs params.
+    secret_file: str | None = None
+    # Seconds a side-channel message stays acceptable (clock skew between instances included).
+    auth_window: float = 60.0
+    # Let the side channel listen beyond loopback without a secret (anyone who reaches it can
+    # then read this instance's held KV and release its blocks).
+    allow_unauthenticated: bool = False
+    # Longest sleep (seconds) of the backend's progress thread between UCX events; 0 makes it
+    # poll without sleeping (NIXL's own setting: a full core, even when idle).
+    progress_interval: float = 0.01
+    # Prefill side: the largest share of the KV pool one reader (engine id and address) may
+    # keep claimed or renewed at once; beyond it its claims wait and its renewals are ignored.
+    max_reader_share: float = 0.5
+    # Decode side: side-channel calls in flight to one prefill instance (address) at once.
+    max_peer_inflight: int = 8
 
     def validate(self, owner: str) -> None:
         if not self.backends or not all(isinstance(b, str) and b for b in self.backends):
@@ -57,7 +74,7 @@ class NixlOptions:
                 f"{owner}: side_channel_port must be 0 (pick a free port) or a TCP port, "
                 f"got {self.side_channel_port}"
             )
-        for name in ("kv_lease_duration", "handshake_timeout", "transfer_timeout"):
+        for name in ("kv_lease_duration", "handshake_timeout", "transfer_timeout", "auth_window"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{owner}: {name} must be a positive number, got {value}")
@@ -74,10 +91,28 @@ class NixlOptions:
             )
         if self.num_threads < 0:
             raise ConfigError(f"{owner}: num_threads must be >= 0, got {self.num_threads}")
+        if not (math.isfinite(self.progress_interval) and 0 <= self.progress_interval <= 1):
+            raise ConfigError(
+                f"{owner}: progress_interval must be between 0 and 1 second, "
+                f"got {self.progress_interval}"
+            )
+        if not (math.isfinite(self.max_reader_share) and 0 < self.max_reader_share <= 1):
+            raise ConfigError(
+                f"{owner}: max_reader_share must be in (0, 1], got {self.max_reader_share}"
+            )
+        if self.max_peer_inflight < 1:
+            raise ConfigError(
+                f"{owner}: max_peer_inflight must be >= 1, got {self.max_peer_inflight}"
+            )
 
     @property
     def heartbeat_s(self) -> float:
         return self.heartbeat_interval or self.kv_lease_duration / 6
+
+    @property
+    def params_lifetime_s(self) -> float:
+        """How long signed params stay valid: the longest hold, plus clock skew."""
+        return self.kv_lease_max_duration + self.auth_window
 
 
 def side_channel_address(config: EngineConfig, opts: NixlOptions, rank: int) -> tuple[str, int]:
@@ -90,12 +125,14 @@ def side_channel_address(config: EngineConfig, opts: NixlOptions, rank: int) -> 
 
 
 class RemoteRef(msgspec.Struct, frozen=True):
-    """A request held by a prefill instance, and where that instance's side channel is."""
+    """A request held by a prefill instance, and where that instance's side channel is;
+    ``proof``: the signed params that named it (with a deployment secret)."""
 
     engine_id: str
     host: str
     port: int
     request_id: str
+    proof: ParamsProof | None = None
 
 
 class RecvSpec(msgspec.Struct, frozen=True):
@@ -126,10 +163,13 @@ class SendSpec(msgspec.Struct, frozen=True):
 
 class ReleaseSpec(msgspec.Struct, frozen=True):
     """Tell a prefill instance it may free what it holds for ``remote``: the decode request
-    that named it ended without reading."""
+    that named it ended without reading. With ``req_id`` that request's free waits for the
+    release: the workers report it ``finished_sending`` once the prefill side answered (or
+    the release was given up after a bounded time)."""
 
     remote: RemoteRef
     block_ids: list[int]
+    req_id: str | None = None
 
 
 @dataclass

@@ -10,6 +10,8 @@ trusts a type, a range or a length: :func:`request_side` and :func:`parse_remote
 * ``{"do_remote_prefill": true, "remote_engine_id", "remote_request_id", "remote_host",
   "remote_port", "remote_block_ids", "remote_num_tokens", "tp_size", ...}`` on the **decode**
   instance: read those blocks from the prefill instance instead of computing the prompt.
+  With a deployment secret they also carry ``kv_signature`` (see :mod:`.auth`), and a decode
+  instance reads only with params whose signature verifies.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from enum import Enum
 from typing import Annotated, Any
 
 import msgspec
+
+from kvferry.kv_transfer.connectors.nixl.auth import NotAuthenticated, ParamsSigner, SignedFields
 
 # Bounds shared with the side-channel messages (handshake.py).
 MAX_ID_LEN = 256
@@ -34,6 +38,7 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 BlockIds = Annotated[list[BlockId], msgspec.Meta(min_length=1, max_length=MAX_BLOCKS)]
 NumTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+Signature = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
 class ParamsError(ValueError):
@@ -57,6 +62,54 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_num_tokens: NumTokens
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     remote_prefill_cached_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
+    kv_signature: Signature | None = None
+
+    def signed_fields(self) -> SignedFields:
+        return SignedFields(
+            self.remote_engine_id,
+            self.remote_request_id,
+            self.remote_host,
+            self.remote_port,
+            list(self.remote_block_ids),
+            self.remote_num_tokens,
+            self.tp_size,
+            self.remote_prefill_cached_tokens,
+        )
+
+    def proof(self) -> ParamsProof | None:
+        """What a claim or release carries so the prefill instance can check the signature."""
+        if self.kv_signature is None:
+            return None
+        return ParamsProof(
+            self.remote_host,
+            self.remote_port,
+            self.remote_num_tokens,
+            self.remote_prefill_cached_tokens,
+            self.kv_signature,
+        )
+
+
+class ParamsProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """The signed params' fields a claim or release does not carry itself, and the signature
+    (tp_size is always 1)."""
+
+    host: Host
+    port: Port
+    num_tokens: NumTokens
+    cached_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+    signature: Signature
+
+    def fields(self, engine_id: str, request_id: str, block_ids: list[int]) -> SignedFields:
+        return SignedFields(
+            engine_id,
+            request_id,
+            self.host,
+            self.port,
+            list(block_ids),
+            self.num_tokens,
+            1,
+            self.cached_tokens,
+        )
 
 
 def _flag(params: dict[str, Any], key: str) -> bool:
@@ -115,6 +168,15 @@ def parse_remote(params: dict[str, Any], block_size: int) -> RemoteParams:
     return remote
 
 
+def check_signature(remote: RemoteParams, signer: ParamsSigner | None) -> None:
+    """With a deployment secret, the params must carry a valid signature of every field read."""
+    if signer is not None:
+        try:
+            signer.verify(remote.signed_fields(), remote.kv_signature)
+        except NotAuthenticated as e:
+            raise ParamsError(str(e)) from None
+
+
 def check_prompt(remote: RemoteParams, num_prompt_tokens: int) -> None:
     """The decode request's prompt must be the one the prefill instance computed."""
     if remote.remote_num_tokens != num_prompt_tokens:
@@ -144,9 +206,11 @@ def decode_params(
     block_ids: list[int],
     num_tokens: int,
     cached_tokens: int,
+    signer: ParamsSigner | None = None,
 ) -> dict[str, Any]:
-    """The params a prefill instance returns for the decode instance (vLLM's field names)."""
-    return {
+    """The params a prefill instance returns for the decode instance (vLLM's field names),
+    signed when ``signer`` is given."""
+    params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
@@ -158,3 +222,9 @@ def decode_params(
         "tp_size": 1,
         "remote_prefill_cached_tokens": cached_tokens,
     }
+    if signer is not None:
+        fields = SignedFields(
+            engine_id, request_id, host, port, list(block_ids), num_tokens, 1, cached_tokens
+        )
+        params["kv_signature"] = signer.sign(fields)
+    return params

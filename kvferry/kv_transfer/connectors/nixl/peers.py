@@ -1,25 +1,40 @@
 """The decode side's side-channel client: handshakes, claims, heartbeats and releases.
 
-Everything here runs on background threads (a small pool) and never touches the NIXL agent:
-a handshake fetches and checks the prefill engine's agent info (engine id, KV layout, after
-the compatibility hash), cached per engine; a claim asks the prefill engine to keep exactly
-the named blocks for this reader and says for how long; heartbeats and releases are fire and
-forget (logged when refused). Requests queued behind a failed handshake fail at once instead
-of each waiting for the timeout.
+Every call runs on one asyncio loop in a background thread (ZeroMQ sockets; the NIXL agent
+is never touched here), so a call waiting for its answer costs a socket, not a thread. Work
+is kept per *peer*, one side-channel address: host, port and the engine id named there.
+
+* At most ``max_peer_inflight`` calls to one peer at a time and ``MAX_INFLIGHT`` in all; a
+  call waits at most ``handshake_timeout`` for a free slot and as long again for its answer.
+  A dead or slow peer delays only the work for itself.
+* A handshake fetches and checks the peer's agent info (engine id, KV layout, after the
+  compatibility hash), cached per peer. After a failed handshake or an unanswered claim, new
+  reads from that peer fail at once for ``handshake_timeout`` instead of each waiting for
+  the timeout; another address, even one naming the same engine id, is not affected.
+* A claim asks the prefill engine to keep exactly the named blocks for this reader and says
+  for how long. Heartbeats are coalesced (one in flight per peer and purpose). A release
+  resolves once the peer answered or the release was given up; both it and heartbeats are
+  dropped while the peer does not answer (logged once per outage).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import zmq
+import zmq.asyncio
 
 from kvferry.kv_transfer.connectors.nixl.agent import KVLayout
 from kvferry.kv_transfer.connectors.nixl.handshake import (
+    MAX_MESSAGE_BYTES,
     AgentInfo,
     ClaimRequest,
     Codec,
@@ -32,23 +47,94 @@ from kvferry.kv_transfer.connectors.nixl.handshake import (
     ProtocolError,
     Refused,
     ReleaseRequest,
-    call,
+    Renewed,
+    endpoint,
 )
 from kvferry.kv_transfer.connectors.nixl.metadata import NixlOptions, RecvSpec, RemoteRef
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Addr = tuple[str, int, str]  # a peer: side-channel host, port, and the engine id named there
+
+MAX_INFLIGHT = 256  # side-channel calls in flight, all peers together
+_MAX_WAITING = 1024  # calls waiting for a slot of one peer; beyond it new work fails at once
+_MAX_PEERS = 4096  # idle peers beyond this are forgotten, oldest first
 
 
 class ReadFailed(RuntimeError):
     pass
 
 
+class _GivenUp(RuntimeError):
+    """Work abandoned before it reached the peer (no slot in time, too much queued)."""
+
+
+def addr_of(ref: RemoteRef) -> Addr:
+    return (ref.host, ref.port, ref.engine_id)
+
+
+class _Slots:
+    """A FIFO counting semaphore whose waiters give up after a timeout (loop thread only)."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._waiters: deque[asyncio.Future[bool]] = deque()
+
+    async def take(self, timeout: float) -> bool:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return True
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bool] = loop.create_future()
+        self._waiters.append(fut)
+        timer = loop.call_later(timeout, _resolve, fut, False)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.result():
+                self.give()  # handed a slot just as we were cancelled: pass it on
+            raise
+        finally:
+            timer.cancel()
+            if not fut.done():
+                fut.cancel()
+
+    def give(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(True)
+                return
+        self.free += 1
+
+
+def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
 @dataclass
-class _EngineState:
-    lock: threading.Lock = field(default_factory=threading.Lock)
+class _Peer:
+    addr: Addr
+    slots: _Slots
+    handshake: asyncio.Lock = field(default_factory=asyncio.Lock)
     info: AgentInfo | None = None
-    failed_at: float = -1e9
+    failed_at: float = -1e9  # last failed handshake or unanswered claim
     failure: str = ""
+    down_at: float = -1e9  # last call that got no answer
+    down_logged: bool = False
+    waiting: int = 0
+    busy: int = 0
+    beating: set[str] = field(default_factory=set)
+
+    @property
+    def label(self) -> str:
+        host, port, engine_id = self.addr
+        return f"{host}:{port} (engine {engine_id})"
+
+    def idle(self) -> bool:
+        return not (self.busy or self.waiting or self.beating or self.handshake.locked())
 
 
 class PeerClient:
@@ -61,50 +147,125 @@ class PeerClient:
         local: KVLayout,
         opts: NixlOptions,
     ) -> None:
-        self.ctx = ctx
         self.codec = codec
         self.engine_id = engine_id
         self.agent_name = agent_name
         self.local = local
         self.opts = opts
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nixl-peers")
-        self._engines: dict[str, _EngineState] = {}
-        self._engines_lock = threading.Lock()
+        self._actx = zmq.asyncio.Context.shadow(ctx.underlying)
+        self._slots = _Slots(MAX_INFLIGHT)
+        self._peers: OrderedDict[Addr, _Peer] = OrderedDict()  # loop thread only
+        self._socks: set[zmq.asyncio.Socket] = set()  # open, loop thread only
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="nixl-peers", daemon=True
+        )
+        self._thread.start()
 
-    def prepare(self, spec: RecvSpec) -> Future[tuple[AgentInfo, float]]:
+    # -- any thread ------------------------------------------------------------------------
+
+    def prepare(self, spec: RecvSpec) -> concurrent.futures.Future[tuple[AgentInfo, float]]:
         """Handshake (cached) and claim in the background; the future gives the peer's agent
-        info and until when (our monotonic clock) it promised to hold the blocks."""
-        return self._pool.submit(self._prepare, spec)
+        info and until when (our monotonic clock) it promised to hold the blocks, or raises
+        ReadFailed."""
+        return self._submit(self._prepare(spec), ReadFailed("the engine is shutting down"))
 
-    def forget(self, engine_id: str) -> None:
+    def forget(self, addr: Addr) -> None:
         """Handshake afresh next time (after a transport failure)."""
-        self._engine(engine_id).info = None  # no lock: a handshake may be holding it
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._forget, addr)
+
+    def renew(
+        self, addr: Addr, request_ids: list[str], purpose: str
+    ) -> concurrent.futures.Future[Renewed | None]:
+        """Heartbeat ``request_ids`` at ``addr``; the future gives the peer's answer, or None
+        (no answer, refused, or skipped: a heartbeat for ``purpose`` is still in flight)."""
+        return self._submit(self._renew(addr, request_ids, purpose), None)
 
     def heartbeat(self, refs: list[RemoteRef]) -> None:
-        groups: dict[tuple[str, str, int], list[str]] = {}
+        """Renew the holds of requests waiting for admission (fire and forget)."""
+        groups: dict[Addr, list[str]] = {}
         for ref in refs:
-            groups.setdefault((ref.engine_id, ref.host, ref.port), []).append(ref.request_id)
-        for (eid, host, port), ids in groups.items():
-            self._fire(host, port, HeartbeatRequest(eid, ids, self.engine_id))
+            groups.setdefault(addr_of(ref), []).append(ref.request_id)
+        for addr, ids in groups.items():
+            self.renew(addr, ids, "waiting")
 
-    def release(self, ref: RemoteRef, block_ids: list[int]) -> None:
-        req = ReleaseRequest(ref.engine_id, ref.request_id, block_ids, self.engine_id)
-        self._fire(ref.host, ref.port, req)
+    def release(
+        self, ref: RemoteRef, block_ids: list[int]
+    ) -> concurrent.futures.Future[str | None]:
+        """Give back what the peer holds for ``ref``. The future resolves once the peer
+        answered (None: released, or already gone) or the release was given up (why)."""
+        req = ReleaseRequest(ref.engine_id, ref.request_id, block_ids, self.engine_id, ref.proof)
+        return self._submit(self._release(addr_of(ref), req), "the engine is shutting down")
 
     def shutdown(self) -> None:
-        """Wait for the calls in flight (each bounded by handshake_timeout)."""
-        self._pool.shutdown(wait=True)
+        """Wait up to handshake_timeout for the calls in flight, cancel the rest, stop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            drain = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
+            drain.result(self.opts.handshake_timeout + 5)
+        except Exception as e:  # the loop is stopped below anyway
+            logger.debug("NIXL: side-channel client shutdown: %r", e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            for sock in self._socks:  # left by a call that never ended: the context needs
+                sock.close(linger=0)  # every socket closed before it can terminate
+            self._loop.close()
 
-    def _engine(self, engine_id: str) -> _EngineState:
-        with self._engines_lock:
-            return self._engines.setdefault(engine_id, _EngineState())
+    def _submit(self, coro: Coroutine[Any, Any, T], closed: Any) -> concurrent.futures.Future[T]:
+        if self._closed:
+            coro.close()
+            fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+            if isinstance(closed, BaseException):
+                fut.set_exception(closed)
+            else:
+                fut.set_result(closed)
+            return fut
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop closed meanwhile (shutdown)
+            coro.close()
+            self._closed = True
+            return self._submit(coro, closed)
 
-    def _prepare(self, spec: RecvSpec) -> tuple[AgentInfo, float]:
-        """Handshake (cached) and claim; returns the peer and until when it holds the blocks."""
+    # -- loop thread -----------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=self.opts.handshake_timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    def _peer(self, addr: Addr) -> _Peer:
+        peer = self._peers.get(addr)
+        if peer is None:
+            peer = self._peers[addr] = _Peer(addr, _Slots(self.opts.max_peer_inflight))
+            if len(self._peers) > _MAX_PEERS:
+                old = next((p for p in self._peers.values() if p.idle() and p is not peer), None)
+                if old is not None:
+                    del self._peers[old.addr]
+        self._peers.move_to_end(addr)
+        return peer
+
+    def _forget(self, addr: Addr) -> None:
+        peer = self._peers.get(addr)
+        if peer is not None:
+            peer.info = None
+
+    async def _prepare(self, spec: RecvSpec) -> tuple[AgentInfo, float]:
         remote = spec.remote
         assert remote is not None
+        peer = self._peer(addr_of(remote))
         for attempt in range(2):
-            info = self._agent_info(remote, refresh=attempt > 0)
+            info = await self._agent_info(peer, refresh=attempt > 0)
             if max(spec.remote_block_ids) >= info.num_blocks:
                 raise ReadFailed(
                     f"remote_block_ids name block {max(spec.remote_block_ids)} but engine "
@@ -112,46 +273,45 @@ class PeerClient:
                 )
             sent = time.monotonic()
             try:
-                granted = self._claim(remote, spec)
-            except PeerUnreachable as e:
-                self._failed(remote, f"claim failed: {e}")
+                granted = await self._claim(peer, spec)
+            except (PeerUnreachable, _GivenUp) as e:
+                self._failed(peer, f"claim failed: {e}")
                 raise ReadFailed(f"claim failed: {e}") from None
             if granted.agent_name == info.agent_name:
                 return info, sent + granted.expires_in
         raise ReadFailed(f"engine {remote.engine_id} changed its NIXL agent during the claim")
 
-    def _agent_info(self, remote: RemoteRef, refresh: bool) -> AgentInfo:
-        state = self._engine(remote.engine_id)
-        with state.lock:
-            # Requests queued behind a failed handshake or an unanswered claim fail at once
+    async def _agent_info(self, peer: _Peer, refresh: bool) -> AgentInfo:
+        async with peer.handshake:
+            # Reads queued behind a failed handshake or an unanswered claim fail at once
             # instead of each waiting for the timeout.
-            if time.monotonic() - state.failed_at < self.opts.handshake_timeout:
-                raise ReadFailed(state.failure)
-            if state.info is not None and not refresh:
-                return state.info
+            if time.monotonic() - peer.failed_at < self.opts.handshake_timeout:
+                raise ReadFailed(peer.failure)
+            if peer.info is not None and not refresh:
+                return peer.info
+            host, port, engine_id = peer.addr
             try:
-                reply = self.call(remote.host, remote.port, HandshakeRequest(remote.engine_id, 0))
-                info = self._check_info(reply, remote)
+                reply = await self._call(peer, HandshakeRequest(engine_id, 0))
+                info = self._check_info(reply, engine_id)
             except Exception as e:
-                failure = f"handshake with {remote.host}:{remote.port} failed: {e}"
-                state.failed_at, state.failure, state.info = time.monotonic(), failure, None
+                failure = f"handshake with {host}:{port} failed: {e}"
+                self._failed(peer, failure)
                 raise ReadFailed(failure) from None
-            state.info = info
+            peer.info = info
             return info
 
-    def _failed(self, remote: RemoteRef, failure: str) -> None:
-        state = self._engine(remote.engine_id)
-        state.failed_at, state.failure, state.info = time.monotonic(), failure, None
+    def _failed(self, peer: _Peer, failure: str) -> None:
+        peer.failed_at, peer.failure, peer.info = time.monotonic(), failure, None
 
-    def _check_info(self, reply: PeerReply, remote: RemoteRef) -> AgentInfo:
+    def _check_info(self, reply: PeerReply, engine_id: str) -> AgentInfo:
         if isinstance(reply, Refused):
             raise ProtocolError(f"refused: {reply.reason}")
         if not isinstance(reply, AgentInfo):
             raise ProtocolError(f"expected the peer's agent info, got {type(reply).__name__}")
-        if reply.engine_id != remote.engine_id:
+        if reply.engine_id != engine_id:
             raise ProtocolError(
                 f"the peer is engine {reply.engine_id!r}, but kv_transfer_params name "
-                f"engine {remote.engine_id!r}"
+                f"engine {engine_id!r}"
             )
         local = self.local
         expected = (local.block_size, local.num_layers, local.block_bytes, 1, 0)
@@ -169,7 +329,9 @@ class PeerClient:
             )
         return reply
 
-    def _claim(self, remote: RemoteRef, spec: RecvSpec) -> Granted:
+    async def _claim(self, peer: _Peer, spec: RecvSpec) -> Granted:
+        remote = spec.remote
+        assert remote is not None
         req = ClaimRequest(
             remote.engine_id,
             remote.request_id,
@@ -178,43 +340,122 @@ class PeerClient:
             spec.token_digest,
             self.engine_id,
             self.agent_name,
+            remote.proof,
         )
         deadline = time.monotonic() + self.opts.handshake_timeout
         while True:
             left = deadline - time.monotonic()
-            reply = self.call(remote.host, remote.port, req, max(left, 0.05))
+            reply = await self._call(peer, req, max(left, 0.05))
             if isinstance(reply, Granted):
                 return reply
             if isinstance(reply, Refused) and reply.retry and left > 0.05:
-                time.sleep(0.02)
+                await asyncio.sleep(0.02)
                 continue
             reason = reply.reason if isinstance(reply, Refused) else type(reply).__name__
             raise ReadFailed(f"engine {remote.engine_id} refused the read: {reason}")
 
-    def call(
-        self, host: str, port: int, request: PeerRequest, timeout: float | None = None
-    ) -> PeerReply:
-        return call(
-            self.ctx, host, port, self.codec, request, timeout or self.opts.handshake_timeout
-        )
-
-    def _fire(self, host: str, port: int, request: PeerRequest) -> None:
-        def send() -> None:
-            try:
-                reply = self.call(host, port, request)
-            except Exception as e:
-                logger.info("NIXL: %s to %s:%d failed: %s", type(request).__name__, host, port, e)
-                return
-            if isinstance(reply, Refused):
-                logger.info(
-                    "NIXL: %s refused by %s:%d: %s",
-                    type(request).__name__,
-                    host,
-                    port,
-                    reply.reason,
-                )
-
+    async def _renew(self, addr: Addr, request_ids: list[str], purpose: str) -> Renewed | None:
+        peer = self._peer(addr)
+        if purpose in peer.beating:
+            return None
+        peer.beating.add(purpose)
         try:
-            self._pool.submit(send)
-        except RuntimeError:  # shut down
-            logger.debug("NIXL: %s not sent: shutting down", type(request).__name__)
+            request = HeartbeatRequest(addr[2], request_ids, self.engine_id)
+            reply = await self._call(peer, request, droppable="heartbeats")
+        except _GivenUp:
+            return None
+        except Exception as e:
+            logger.info("NIXL: heartbeat to %s failed: %s", peer.label, e)
+            return None
+        finally:
+            peer.beating.discard(purpose)
+        if isinstance(reply, Refused):
+            logger.info("NIXL: heartbeat refused by %s: %s", peer.label, reply.reason)
+        return reply if isinstance(reply, Renewed) else None
+
+    async def _release(self, addr: Addr, req: ReleaseRequest) -> str | None:
+        peer = self._peer(addr)
+        try:
+            reply = await self._call(peer, req, droppable="releases")
+        except _GivenUp as e:
+            return str(e)
+        except Exception as e:
+            logger.info("NIXL: release of %r at %s failed: %s", req.request_id, peer.label, e)
+            return str(e)
+        if isinstance(reply, Refused):
+            logger.info("NIXL: release refused by %s: %s", peer.label, reply.reason)
+            return reply.reason
+        return None
+
+    def _give_up(self, peer: _Peer, why: str, droppable: str | None) -> _GivenUp:
+        """The error for work abandoned before it reached the peer; releases and heartbeats
+        say so in the log once per outage."""
+        if droppable is not None and not peer.down_logged:
+            peer.down_logged = True
+            logger.warning("NIXL: dropping %s to %s: %s", droppable, peer.label, why)
+        return _GivenUp(why)
+
+    async def _call(
+        self,
+        peer: _Peer,
+        request: PeerRequest,
+        timeout: float | None = None,
+        droppable: str | None = None,
+    ) -> PeerReply:
+        """One request to the peer, within the per-peer and overall limits. ``droppable``
+        work (what it is, for the log) is given up while the peer does not answer."""
+        wait = self.opts.handshake_timeout
+        if peer.waiting >= _MAX_WAITING:
+            raise self._give_up(peer, "too much work is queued for it", droppable)
+        peer.waiting += 1
+        try:
+            if not await peer.slots.take(wait):
+                raise self._give_up(peer, f"no free slot for it in {wait:g}s", droppable)
+            try:
+                if not await self._slots.take(wait):
+                    raise self._give_up(peer, f"no free side-channel slot in {wait:g}s", droppable)
+            except BaseException:
+                peer.slots.give()
+                raise
+        finally:
+            peer.waiting -= 1
+        if droppable is not None and time.monotonic() - peer.down_at < wait:
+            self._slots.give()
+            peer.slots.give()
+            raise self._give_up(peer, "it does not answer", droppable)
+        peer.busy += 1
+        try:
+            reply = await self._request(peer, request, timeout or wait)
+        except PeerUnreachable:
+            peer.down_at = time.monotonic()
+            raise
+        finally:
+            peer.busy -= 1
+            self._slots.give()
+            peer.slots.give()
+        peer.down_at, peer.down_logged = -1e9, False
+        return reply
+
+    async def _request(self, peer: _Peer, request: PeerRequest, timeout: float) -> PeerReply:
+        host, port, _ = peer.addr
+        where = f"{host}:{port}"
+        sock = self._actx.socket(zmq.REQ)
+        self._socks.add(sock)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.connect(endpoint(host, port))
+            frame, nonce = self.codec.encode_request(request)
+            await sock.send(frame)
+            try:
+                data = await asyncio.wait_for(sock.recv(), timeout)
+            except asyncio.TimeoutError:
+                raise PeerUnreachable(
+                    f"no answer from the NIXL side channel {where} in {timeout:g}s"
+                ) from None
+            return self.codec.decode_reply(data, where, nonce)
+        except zmq.ZMQError as e:
+            raise PeerUnreachable(f"NIXL side channel {where}: {e}") from None
+        finally:
+            self._socks.discard(sock)
+            sock.close()

@@ -8,16 +8,22 @@ fails (handshake, claim, transfer error, timeout, peer gone) ends the read as *f
 scheduler applies ``kv_load_failure_policy``. A failed read's claim is given back so the
 prefill instance frees its blocks at once rather than at lease expiry.
 
-Reads in flight are heartbeated from a timer thread (independent of the engine thread), and a
-completed READ is trusted only if the prefill side provably still held the blocks: its last
-answer (claim or heartbeat) promised the hold past the moment the READ was seen complete, or
-it reported the hold ended *because this read completed*. Otherwise the lease may have run
+Reads in flight are heartbeated from a timer thread (independent of the engine thread; the
+heartbeats to each peer run on their own, so a dead peer delays no other), and a completed
+READ is trusted only if the prefill side provably still held the blocks: its last answer
+(claim or heartbeat) promised the hold past the moment the READ was seen complete, or it
+reported the hold ended *because this read completed*. Otherwise the lease may have run
 out mid-read and the blocks been reused, so the read counts as failed rather than decode on
 someone else's KV.
+
+Loaded NIXL peers are kept per agent name, each prefill address mapping to the agent it
+announced; an agent announced again with other metadata or another layout is refused, so a
+forged address cannot swap the peer a legitimate read uses.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -31,12 +37,12 @@ from kvferry.kv_transfer.connectors.nixl.agent import KVLayout, NixlTransport, R
 from kvferry.kv_transfer.connectors.nixl.handshake import (
     AgentInfo,
     Codec,
-    HeartbeatRequest,
+    ProtocolError,
     ReadDone,
     Renewed,
 )
 from kvferry.kv_transfer.connectors.nixl.metadata import NixlOptions, RecvSpec, RemoteRef
-from kvferry.kv_transfer.connectors.nixl.peers import PeerClient
+from kvferry.kv_transfer.connectors.nixl.peers import Addr, PeerClient, addr_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +79,8 @@ class Reader:
         self.stats = stats
         self.peers = PeerClient(ctx, codec, engine_id, transport.name, local, opts)
         self._reads: dict[str, _Read] = {}
-        self._peers: dict[str, RemotePeer] = {}  # engine id -> loaded NIXL peer
+        self._agents: dict[str, tuple[RemotePeer, AgentInfo]] = {}  # agent name -> loaded
+        self._addr_agent: dict[Addr, str] = {}  # prefill address -> the agent it announced
         self._retired: list[RemotePeer] = []
         self._stuck: list[Any] = []  # handles NIXL would not release yet
         self._draining: dict[str, tuple[_Read, str, float]] = {}  # failed, READ not cancelled
@@ -140,7 +147,7 @@ class Reader:
 
     def peer(self, engine_id: str) -> RemotePeer | None:
         """The loaded NIXL peer of a prefill engine, once a read from it was posted."""
-        return self._peers.get(engine_id)
+        return next((p for p, i in self._agents.values() if i.engine_id == engine_id), None)
 
     def busy(self) -> bool:
         return bool(self._reads or self._draining)
@@ -148,8 +155,9 @@ class Reader:
     def heartbeat(self, refs: list[RemoteRef]) -> None:
         self.peers.heartbeat(refs)
 
-    def release(self, ref: RemoteRef, block_ids: list[int]) -> None:
-        self.peers.release(ref, block_ids)
+    def release(self, ref: RemoteRef, block_ids: list[int]) -> Future[str | None]:
+        """See :meth:`PeerClient.release`."""
+        return self.peers.release(ref, block_ids)
 
     def shutdown(self) -> None:
         """Cancel what has not started, give back granted claims, wait for the side-channel
@@ -161,21 +169,16 @@ class Reader:
             self._finish(req_id, rd, "engine shut down")
         self.peers.shutdown()
         self._beater.join(timeout=self.opts.handshake_timeout + 1)
-        for peer in [*self._peers.values(), *self._retired]:
+        for peer in [*(p for p, _ in self._agents.values()), *self._retired]:
             self.transport.remove_peer(peer)
-        self._peers.clear()
+        self._agents.clear()
+        self._addr_agent.clear()
         self._retired.clear()
 
     def _post(self, rd: _Read, info: AgentInfo) -> None:
         spec, remote = rd.spec, rd.spec.remote
         assert remote is not None
-        peer = self._peers.get(remote.engine_id)
-        if peer is None or peer.name != info.agent_name:
-            if peer is not None:
-                self._retired.append(peer)  # the prefill instance restarted
-            peer = self.transport.add_peer(info)
-            self._peers[remote.engine_id] = peer
-        rd.peer = peer
+        rd.peer = peer = self._load(addr_of(remote), info)
         notif = self.codec.encode_notif(
             ReadDone(remote.engine_id, remote.request_id, self.engine_id)
         )
@@ -191,7 +194,7 @@ class Reader:
         remote = rd.spec.remote
         assert remote is not None
         if transport_error:
-            self._forget(remote.engine_id)
+            self._forget(addr_of(remote))
         if rd.handle is not None and not self.transport.release(rd.handle):
             if error is not None:
                 # NIXL could not cancel the READ, which may still write into the request's
@@ -246,12 +249,37 @@ class Reader:
         self._done.add(req_id)
         self._failed.add(req_id)
 
-    def _forget(self, engine_id: str) -> None:
-        """After a transport failure: handshake afresh next time, unload the peer when idle."""
-        self.peers.forget(engine_id)
-        peer = self._peers.pop(engine_id, None)
-        if peer is not None:
-            self._retired.append(peer)
+    def _load(self, addr: Addr, info: AgentInfo) -> RemotePeer:
+        """The NIXL peer of the agent ``info`` announces at ``addr``, loaded once per agent."""
+        name = info.agent_name
+        loaded = self._agents.get(name)
+        if loaded is not None and loaded[1] != info:
+            raise ProtocolError(
+                f"NIXL agent {name!r} was announced before with other metadata or layout"
+            )
+        if loaded is None:
+            loaded = self._agents[name] = (self.transport.add_peer(info), info)
+        old = self._addr_agent.get(addr)
+        self._addr_agent[addr] = name
+        if old is not None and old != name:
+            self._retire_unused(old)  # that prefill instance restarted
+        return loaded[0]
+
+    def _retire_unused(self, name: str) -> None:
+        if name not in self._addr_agent.values() and name in self._agents:
+            self._retired.append(self._agents.pop(name)[0])
+
+    def _forget(self, addr: Addr) -> None:
+        """After a transport failure: handshake afresh next time, unload the agent when idle."""
+        self.peers.forget(addr)
+        name = self._addr_agent.get(addr)
+        if name is None:
+            return
+        # The agent itself failed: every address announcing it handshakes afresh.
+        for other in [a for a, n in self._addr_agent.items() if n == name]:
+            del self._addr_agent[other]
+            self.peers.forget(other)
+        self._retire_unused(name)
 
     def _drop_retired(self) -> None:
         reads = [*self._reads.values(), *(d[0] for d in self._draining.values())]
@@ -270,29 +298,30 @@ class Reader:
         """Heartbeat the reads in flight, and record how long each is confirmed held."""
         period = self.opts.heartbeat_s
         while not self._stop.wait(period):
-            groups: dict[tuple[str, str, int], dict[str, _Read]] = {}
+            groups: dict[Addr, dict[str, _Read]] = {}
             with self._lock:
                 for rd in self._reads.values():
                     ref = rd.spec.remote
                     if ref is not None and rd.prep.done():
-                        key = (ref.engine_id, ref.host, ref.port)
-                        groups.setdefault(key, {})[ref.request_id] = rd
-            for (eid, host, port), reads in groups.items():
+                        groups.setdefault(addr_of(ref), {})[ref.request_id] = rd
+            for addr, reads in groups.items():
                 sent = time.monotonic()
-                try:
-                    reply = self.peers.call(
-                        host, port, HeartbeatRequest(eid, list(reads), self.engine_id), period
-                    )
-                except Exception as e:
-                    logger.info("NIXL: heartbeat to %s:%d failed: %s", host, port, e)
-                    continue
-                if not isinstance(reply, Renewed):
-                    continue
-                with self._lock:
-                    for req_id, left in reply.held.items():
-                        if req_id in reads:
-                            rd = reads[req_id]
-                            rd.held_until = max(rd.held_until, sent + left)
-                    for req_id in reply.read:
-                        if req_id in reads:
-                            reads[req_id].freed_after_read = True
+                answer = self.peers.renew(addr, list(reads), "reads")
+                answer.add_done_callback(functools.partial(self._renewed, reads, sent))
+
+    def _renewed(
+        self, reads: dict[str, _Read], sent: float, answer: Future[Renewed | None]
+    ) -> None:
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        reply = answer.result()
+        if reply is None:
+            return
+        with self._lock:
+            for req_id, left in reply.held.items():
+                if req_id in reads:
+                    rd = reads[req_id]
+                    rd.held_until = max(rd.held_until, sent + left)
+            for req_id in reply.read:
+                if req_id in reads:
+                    reads[req_id].freed_after_read = True

@@ -13,7 +13,9 @@ were aborted or failed free theirs at once. The side-channel address in those pa
 configured one, or (port 0) the one the workers report.
 
 Params are untrusted: invalid ones make the request's load fail with a clear message (so the
-scheduler applies ``kv_load_failure_policy``) and nothing is held anywhere.
+scheduler applies ``kv_load_failure_policy``) and nothing is held anywhere. With a deployment
+secret the params this instance issues are signed, and it reads (or releases) only with params
+whose signature verifies; :meth:`NixlConnectorScheduler.validate` refuses others at intake.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvferry.kv_transfer.connectors.nixl.params import (
     RemoteParams,
     Side,
     check_prompt,
+    check_signature,
     decode_params,
     parse_remote,
     request_side,
@@ -50,8 +53,9 @@ if TYPE_CHECKING:
     from kvferry.core.kv_cache_config import KVCacheConfig
     from kvferry.core.kv_cache_manager import KVCacheBlocks
     from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
-    from kvferry.kv_transfer.output import KVConnectorOutput
+    from kvferry.kv_transfer.connectors.nixl.auth import PeerAuth
     from kvferry.request import Request
+    from kvferry.step_types.kv_connector_output import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +64,11 @@ _HOLD_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_
 
 def _ref(remote: RemoteParams) -> RemoteRef:
     return RemoteRef(
-        remote.remote_engine_id, remote.remote_host, remote.remote_port, remote.remote_request_id
+        remote.remote_engine_id,
+        remote.remote_host,
+        remote.remote_port,
+        remote.remote_request_id,
+        remote.proof(),
     )
 
 
@@ -71,9 +79,11 @@ class NixlConnectorScheduler:
         kv_cache_config: KVCacheConfig,
         opts: NixlOptions,
         engine_id: str,
+        auth: PeerAuth | None = None,
     ) -> None:
         self.opts = opts
         self.engine_id = engine_id
+        self.signer = auth.params if auth is not None else None
         self.block_size = kv_cache_config.block_size
         host, port = side_channel_address(config, opts, rank=0)
         self.address: tuple[str, int] | None = (host, port) if port else None
@@ -100,6 +110,17 @@ class NixlConnectorScheduler:
 
     # -- lookups and allocation ------------------------------------------------------------
 
+    def validate(self, params: dict[str, Any]) -> None:
+        """Intake check: a decode request's params must be well formed (and signed)."""
+        if request_side(params) is Side.DECODE:
+            self.checked(params)
+
+    def checked(self, params: dict[str, Any]) -> RemoteParams:
+        """A decode request's params, type-, range- and (with a secret) signature-checked."""
+        remote = parse_remote(params, self.block_size)
+        check_signature(remote, self.signer)
+        return remote
+
     def _side(self, request: Request) -> Side | ParamsError | None:
         try:
             return request_side(request.kv_transfer_params)
@@ -115,7 +136,7 @@ class NixlConnectorScheduler:
                 parsed = side
             else:
                 try:
-                    parsed = parse_remote(request.kv_transfer_params or {}, self.block_size)
+                    parsed = self.checked(request.kv_transfer_params or {})
                     check_prompt(parsed, request.num_prompt_tokens)
                 except ParamsError as e:
                     parsed = e
@@ -197,8 +218,10 @@ class NixlConnectorScheduler:
         consumed = rid in self._consumed
         self._consumed.discard(rid)
         side = self._side(request)
-        if side is Side.DECODE and not consumed:
-            self._release_unread(request)
+        # A decode request holding no blocks (the server's release path, one never admitted)
+        # ends only once the prefill side answered its release: a truthful "released".
+        if side is Side.DECODE and not consumed and self._release_unread(request, not block_ids):
+            return True, None
         if side is not Side.PREFILL or request.status not in _HOLD_STATUSES:
             return False, None
         if self.address is None:
@@ -221,18 +244,22 @@ class NixlConnectorScheduler:
             block_ids=held,
             num_tokens=n,
             cached_tokens=stats.num_cached_tokens if stats is not None else 0,
+            signer=self.signer,
         )
 
-    def _release_unread(self, request: Request) -> None:
+    def _release_unread(self, request: Request, wait: bool = False) -> bool:
         """A decode request that ended before it was admitted (also the server's release
         path): tell the prefill instance it may free the blocks now. Only the params' own
-        consistency is checked; the prefill side verifies the rest."""
+        consistency (and signature) is checked; the prefill side verifies the rest. True
+        when the request's own free waits for the answer (``wait``; see ReleaseSpec)."""
         try:
-            remote = parse_remote(request.kv_transfer_params or {}, self.block_size)
+            remote = self.checked(request.kv_transfer_params or {})
         except ParamsError as e:
             logger.warning("NIXL: cannot release the blocks of %s: %s", request.request_id, e)
-            return
-        self._releases.append(ReleaseSpec(_ref(remote), list(remote.remote_block_ids)))
+            return False
+        rid = request.request_id if wait else None
+        self._releases.append(ReleaseSpec(_ref(remote), list(remote.remote_block_ids), rid))
+        return wait
 
     def has_pending_work(self) -> bool:
         return bool(self._releases)

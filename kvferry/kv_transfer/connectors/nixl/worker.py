@@ -14,7 +14,10 @@ The same instance plays both parts for different requests when asked to.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -25,6 +28,7 @@ import zmq
 
 from kvferry.kv_transfer.base import KVConnectorStats
 from kvferry.kv_transfer.connectors.nixl.agent import NixlTransport
+from kvferry.kv_transfer.connectors.nixl.auth import load_peer_auth
 from kvferry.kv_transfer.connectors.nixl.handshake import (
     AgentInfo,
     ClaimRequest,
@@ -75,10 +79,16 @@ class NixlConnectorWorker:
         self.opts = opts
         self.engine_id = engine_id
         self.rank = rank
-        self.codec = Codec(Compat.of(config, kv_cache_config))
+        self.codec = Codec(Compat.of(config, kv_cache_config), load_peer_auth(opts))
         self.host, self.port = side_channel_address(config, opts, rank)
         self.agent_name = f"{engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
-        self.transport = NixlTransport(self.agent_name, opts.backends, opts.num_threads)
+        self.transport = NixlTransport(
+            self.agent_name,
+            opts.backends,
+            opts.num_threads,
+            progress_interval=opts.progress_interval,
+            bind_host=self.host,
+        )
         self.ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
         self.leases = LeaseTable(
             engine_id, self.agent_name, opts.kv_lease_duration, opts.kv_lease_max_duration
@@ -88,12 +98,16 @@ class NixlConnectorWorker:
         self._server: SideChannelServer | None = None
         self._reader: Reader | None = None
         self._failed: set[str] = set()
+        self._released: set[str] = set()  # decode requests whose release was answered
+        self._released_lock = threading.Lock()
         self._empty_step = False
 
     # -- setup -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = self.transport.register(kv_caches)
+        share = self.opts.max_reader_share
+        self.leases.max_reader_blocks = None if share >= 1 else math.ceil(share * layout.num_blocks)
         self._info = AgentInfo(
             engine_id=self.engine_id,
             agent_name=self.agent_name,
@@ -140,10 +154,10 @@ class NixlConnectorWorker:
                 return Refused(f"no worker rank {request.rank} here")
             return self._info
         if isinstance(request, ClaimRequest):
-            return self.leases.claim(request)
+            return self.leases.claim(request, peer)
         if isinstance(request, HeartbeatRequest):
             return self.leases.heartbeat(
-                request.engine_id, request.request_ids, request.reader_engine_id
+                request.engine_id, request.request_ids, request.reader_engine_id, peer
             )
         if isinstance(request, ReleaseRequest):
             return self.leases.release(request)
@@ -164,12 +178,22 @@ class NixlConnectorWorker:
         for spec in meta.reqs_to_recv:
             reader.start(spec)
         for rel in meta.releases:
-            reader.release(rel.remote, rel.block_ids)
+            answer = reader.release(rel.remote, rel.block_ids)
+            if rel.req_id is not None:
+                answer.add_done_callback(functools.partial(self._release_done, rel.req_id))
         if meta.heartbeats:
             reader.heartbeat(meta.heartbeats)
 
+    def _release_done(self, req_id: str, _: object) -> None:
+        with self._released_lock:
+            self._released.add(req_id)
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         reader = self.reader
+        # Answered releases first: a release of a hold here ended it before its answer was
+        # sent, so both reach the scheduler in this same step.
+        with self._released_lock:
+            released, self._released = self._released, set()
         self._drain_notifs()
         reader.poll()
         self.leases.reap()
@@ -177,7 +201,7 @@ class NixlConnectorWorker:
         for reason in ended.values():
             kind = reason.split(" ", 1)[0]  # "read", "released", "lease", "engine"
             self.stats[_ENDED_STATS.get(kind, "holds_dropped")] += 1
-        sending = set(ended)
+        sending = set(ended) | released
         recving, self._failed = reader.take()
         if self._empty_step and not (sending or recving):
             if reader.busy():
