@@ -288,8 +288,39 @@ class EngineConfig:
                 )
 
 
+def check_scheduler_limits(
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    kv_block_size: int,
+    max_model_len: int,
+) -> None:
+    """Raise ConfigError for settings the scheduler cannot work with; ``kv_block_size`` is the
+    block size of the KV pool the workers allocated."""
+    if cache_config.block_size != kv_block_size:
+        raise ConfigError(
+            f"cache block_size {cache_config.block_size} != KV cache config block_size "
+            f"{kv_block_size}"
+        )
+    if (
+        not scheduler_config.enable_chunked_prefill
+        and scheduler_config.max_num_batched_tokens < max_model_len
+    ):
+        raise ConfigError(
+            f"with chunked prefill off, max_num_batched_tokens "
+            f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len "
+            f"({max_model_len}), or long prompts could never be scheduled"
+        )
+
+
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+def check_kv_load_failure_policy(policy: str) -> None:
+    if policy not in KV_LOAD_FAILURE_POLICIES:
+        raise ConfigError(
+            f"kv_load_failure_policy {policy!r} is not one of {', '.join(KV_LOAD_FAILURE_POLICIES)}"
+        )
 
 
 @dataclass
@@ -322,11 +353,7 @@ class KVTransferConfig:
             )
         if self.kv_role is not None and self.kv_role not in KV_ROLES:
             raise ConfigError(f"kv_role {self.kv_role!r} is not one of {', '.join(KV_ROLES)}")
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ConfigError(
-                f"kv_load_failure_policy {self.kv_load_failure_policy!r} is not one of "
-                f"{', '.join(KV_LOAD_FAILURE_POLICIES)}"
-            )
+        check_kv_load_failure_policy(self.kv_load_failure_policy)
         if self.kv_connector_module_path == "":
             raise ConfigError("kv_connector_module_path must not be empty")
         if not isinstance(self.kv_connector_extra_config, dict):

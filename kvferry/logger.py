@@ -27,7 +27,7 @@ def init_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
-def kv(msg: str, **fields: Any) -> str:
+def fmt_fields(msg: str, **fields: Any) -> str:
     """Format a structured log line: ``msg k1=v1 k2=v2``."""
     parts = [msg]
     for k, v in fields.items():

@@ -20,16 +20,16 @@ from sched_utils import FakeWorker, assert_no_leaks
 from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvferry.core.outputs import EngineCoreOutput
-from kvferry.core.sched_output import SchedulerOutput
 from kvferry.core.scheduler import Scheduler
 from kvferry.kv_transfer.aggregator import KVOutputAggregator
 from kvferry.kv_transfer.base import KVConnectorRole, KVConnectorStats
+from kvferry.kv_transfer.connectors.offloading.facade import OffloadConnectorBase
 from kvferry.kv_transfer.copy_ops import copy_kv_blocks
 from kvferry.kv_transfer.factory import KVConnectorFactory
-from kvferry.kv_transfer.offload.connector_base import OffloadConnectorBase
 from kvferry.kv_transfer.offload.transfer import TransferEngine
-from kvferry.kv_transfer.output import KVConnectorOutput
 from kvferry.request import Request
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
 
 _MOD = (1 << 47) - 115  # a prime: values stay exact in float64
 

@@ -20,13 +20,13 @@ from kvferry.config import CacheConfig, SchedulerConfig
 from kvferry.core.block_hash import get_request_block_hasher
 from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvferry.core.outputs import EngineCoreOutput
-from kvferry.core.sched_output import SchedulerOutput
 from kvferry.core.scheduler import Scheduler
 from kvferry.kv_transfer.base import KVConnectorBase
-from kvferry.kv_transfer.output import KVConnectorOutput
 from kvferry.request import Request
 from kvferry.sampling_params import SamplingParams
-from kvferry.worker.runner_output import ModelRunnerOutput
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
+from kvferry.step_types.runner_output import ModelRunnerOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
 
 BLOCK_SIZE = 16
 EOS_TOKEN = 2

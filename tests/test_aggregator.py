@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvferry.kv_transfer.aggregator import KVOutputAggregator
 from kvferry.kv_transfer.base import KVConnectorStats, KVConnectorWorkerMetadata
-from kvferry.kv_transfer.output import KVConnectorOutput
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
 
 
 @dataclass

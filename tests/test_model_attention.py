@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-import kvferry.model.attention as attention_module
 from kvferry.model.attention import Attention
 from kvferry.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.model.forward_context import ForwardContext, set_forward_context
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
+from kvferry.worker.cpu_backend import DECODE_GATHER_BYTES
 
 CPU = torch.device("cpu")
 
@@ -106,10 +107,17 @@ class Scenario:
         connector: Any = None,
         name: str = "layer0",
         kernel: PagedDecodeKernel | None = None,
+        workspace: AttentionWorkspace | None = None,
     ) -> torch.Tensor:
+        """Runs one layer with ``workspace``; by default, one set up as a CPU engine's is."""
         attn = Attention(self.heads, self.kv_heads, self.head_dim, layer_name=name)
-        attn.decode_kernel = kernel
-        ctx = ForwardContext(self.meta, {name: self.cache}, kv_connector=connector)
+        if workspace is None:
+            workspace = AttentionWorkspace(
+                decode_kernel=kernel, decode_gather_bytes=DECODE_GATHER_BYTES
+            )
+        ctx = ForwardContext(
+            self.meta, {name: self.cache}, kv_connector=connector, attn_workspace=workspace
+        )
         with set_forward_context(ctx):
             return attn(*self.inputs())
 
@@ -259,20 +267,21 @@ def test_decode_grouping_by_length() -> None:
     assert only.token_range == (0, 4) and only.mask is None
 
 
-def test_decode_in_cache_sized_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU a large decode group is gathered a few requests at a time."""
-    monkeypatch.setattr(attention_module, "_CPU_GATHER_BYTES", 3000)
+def test_decode_in_cache_sized_chunks() -> None:
+    """With a gather budget a large decode group is gathered a few requests at a time."""
     steps = [(c, 1) for c in (12, 13, 9, 15, 14, 10, 11)] + [(0, 7)]
     s = Scenario(4, 2, 8, 4, steps, seed=4)
     assert len(s.meta.decodes) == 1  # one group, split into chunks at run time
-    torch.testing.assert_close(s.run().double(), s.expected(), atol=1e-5, rtol=1e-5)
+    out = s.run(workspace=AttentionWorkspace(decode_gather_bytes=3000))
+    torch.testing.assert_close(out.double(), s.expected(), atol=1e-5, rtol=1e-5)
 
 
-def test_inference_mode_then_plain_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inference_mode_then_plain_forward() -> None:
     """Buffers first made under inference_mode must stay writable in later plain forwards."""
-    monkeypatch.setattr(attention_module, "_WORKSPACE", attention_module._GatherWorkspace())
+    workspace = AttentionWorkspace(decode_gather_bytes=DECODE_GATHER_BYTES)
     with torch.inference_mode():
-        Scenario(4, 2, 8, 4, [(9, 1), (3, 1)], seed=5).run()
+        Scenario(4, 2, 8, 4, [(9, 1), (3, 1)], seed=5).run(workspace=workspace)
     s = Scenario(4, 2, 8, 4, [(9, 1), (3, 1)], seed=6)
     with torch.no_grad():
-        torch.testing.assert_close(s.run().double(), s.expected(), atol=1e-5, rtol=1e-5)
+        out = s.run(workspace=workspace)
+        torch.testing.assert_close(out.double(), s.expected(), atol=1e-5, rtol=1e-5)

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvferry.model import layers
-from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, linear, rope_inv_freq
+from kvferry.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
+from kvferry.worker import cpu_backend
+from kvferry.worker.cpu_backend import cpu_linear
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,25 +78,28 @@ def test_half_precision_linear(rows: int, monkeypatch: pytest.MonkeyPatch) -> No
     w, b = torch.randn(40, 96).bfloat16(), torch.randn(40).bfloat16()
     exact = F.linear(x.double(), w.double(), b.double())
     for native in (True, False):
-        monkeypatch.setitem(layers._NATIVE_HALF, torch.bfloat16, native)
-        out = linear(x, w, b)
+        monkeypatch.setitem(cpu_backend._NATIVE_HALF, torch.bfloat16, native)
+        out = cpu_linear(x, w, b)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), exact, atol=0.1, rtol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 8, layers.PACKED_MAX_ROWS, layers.PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize(
+    "rows", [1, 8, cpu_backend.PACKED_MAX_ROWS, cpu_backend.PACKED_MAX_ROWS + 1]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_fp32_linear_matches_f_linear(rows: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=g)
     b = torch.randn(48, generator=g) if bias else None
     x = torch.randn(rows, 32, generator=g)
-    packed = layers.pack_weight(w)
+    packed = cpu_backend.pack_weight(w)
     if packed is None:
         pytest.skip("this torch build has no oneDNN")
     want = F.linear(x, w, b)
-    got = linear(x, layers.input_major(w), b, packed)
+    got = cpu_linear(x, cpu_backend.input_major(w), b, packed)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # A non-contiguous input (a column slice, as attention outputs can be) works too.
     wide = torch.randn(rows, 64, generator=g)
-    torch.testing.assert_close(linear(wide[:, :32], w, b, packed), F.linear(wide[:, :32], w, b))
+    got = cpu_linear(wide[:, :32], w, b, packed)
+    torch.testing.assert_close(got, F.linear(wide[:, :32], w, b))

@@ -12,8 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvferry.config import ConfigError, ModelConfig
-from kvferry.model import layers
+from kvferry.model.llama import CausalLM
 from kvferry.model.loader import load_model
+from kvferry.worker import cpu_backend
+from kvferry.worker.cpu_backend import CPULinear
+from kvferry.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 
@@ -148,26 +151,35 @@ def test_unsupported_architecture(tiny_model_factory: Callable[..., Path], tmp_p
         ModelConfig(str(folder))
 
 
+def cpu_tuned(folder: Path, dtype: str) -> CausalLM:
+    """A loaded model as a CPU engine's model runner has laid it out."""
+    model = load_model(ModelConfig(str(folder), dtype=dtype), CPU)
+    return ModelRunner(model, 16, CPU, 0).model  # type: ignore[no-any-return]
+
+
 def test_cpu_fp32_weights_are_laid_out_for_gemms(tiny_model_factory: Callable[..., Path]) -> None:
     folder = tiny_model_factory("llama")
-    fp32 = load_model(ModelConfig(str(folder), dtype="float32"), torch.device("cpu"))
+    plain = load_model(ModelConfig(str(folder), dtype="float32"), CPU)
+    proj = plain.model.layers[0].self_attn.qkv_proj
+    assert proj.kernel is None and proj.weight.is_contiguous()  # the loader leaves it as is
+    fp32 = cpu_tuned(folder, "float32")
     proj = fp32.model.layers[0].self_attn.qkv_proj
-    if layers.pack_weight(torch.ones(2, 2)) is not None:
-        assert proj.packed is not None and proj.weight.is_contiguous()
+    if cpu_backend.pack_weight(torch.ones(2, 2)) is not None:
+        assert isinstance(proj.kernel, CPULinear)
+        assert proj.kernel.packed is not None and proj.weight.is_contiguous()
     else:
         assert proj.weight.stride() == (1, proj.weight.shape[0])  # input-major
-    bf16 = load_model(ModelConfig(str(folder), dtype="bfloat16"), torch.device("cpu"))
+    bf16 = cpu_tuned(folder, "bfloat16")
     proj = bf16.model.layers[0].self_attn.qkv_proj
-    assert proj.weight.is_contiguous() and proj.packed is None  # half precision: untouched
+    packed = proj.kernel.packed if isinstance(proj.kernel, CPULinear) else None
+    assert proj.weight.is_contiguous() and packed is None  # half precision: untouched
 
 
 def test_cpu_fp32_without_onednn_uses_input_major_weights(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvferry.model.llama as llama
-
-    monkeypatch.setattr(llama, "pack_weight", lambda w: None)
+    monkeypatch.setattr(cpu_backend, "pack_weight", lambda w: None)
     folder = tiny_model_factory("llama")
-    model = load_model(ModelConfig(str(folder), dtype="float32"), torch.device("cpu"))
+    model = cpu_tuned(folder, "float32")
     proj = model.model.layers[0].self_attn.qkv_proj
-    assert proj.packed is None and proj.weight.stride() == (1, proj.weight.shape[0])
+    assert proj.kernel is None and proj.weight.stride() == (1, proj.weight.shape[0])

@@ -15,9 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from kvferry.config import ModelConfig
 from kvferry.model.attention_metadata import build_attention_metadata
+from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.model.forward_context import ForwardContext, set_forward_context
 from kvferry.model.llama import CausalLM
 from kvferry.model.loader import load_model
+from kvferry.worker.cpu_backend import CPUBackend
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,13 +78,19 @@ def hf_logits(folder: Path, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 class PagedRunner:
     """Drives a kvferry model the way the engine does: per-request block lists drawn from a
-    shuffled pool (so blocks are never contiguous), one forward per step."""
+    shuffled pool (so blocks are never contiguous), one forward per step, with the attention
+    workspace of the device's backend (``native``: as :func:`load`)."""
 
-    def __init__(self, model: CausalLM, num_blocks: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self, model: CausalLM, num_blocks: int = 64, seed: int = 0, native: bool = True
+    ) -> None:
         cfg = model.config
         self.model = model
         weight = model.model.embed_tokens.weight
         self.device = weight.device
+        self.workspace = AttentionWorkspace()
+        if self.device.type == "cpu":
+            self.workspace = CPUBackend(model.dtype, native).attention_workspace()
         shape = (2, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = {
             name: torch.zeros(shape, dtype=weight.dtype, device=self.device)
@@ -114,7 +122,8 @@ class PagedRunner:
             tables.append(self.blocks[req])
             self.computed[req] = end
         meta = build_attention_metadata(qlens, slens, tables, BLOCK_SIZE, self.device)
-        with torch.inference_mode(), set_forward_context(ForwardContext(meta, self.kv_caches)):
+        ctx = ForwardContext(meta, self.kv_caches, attn_workspace=self.workspace)
+        with torch.inference_mode(), set_forward_context(ctx):
             hidden = self.model(
                 torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device)
             )
@@ -126,8 +135,15 @@ class PagedRunner:
         return out
 
 
-def load(folder: Path, dtype: str = "float32", device: torch.device = CPU) -> CausalLM:
-    return load_model(ModelConfig(str(folder), dtype=dtype), device)
+def load(
+    folder: Path, dtype: str = "float32", device: torch.device = CPU, native: bool = True
+) -> CausalLM:
+    """The model as the engine's runner tunes it; ``native=False``: torch ops in place of the
+    C kernels (the weight layouts stay)."""
+    model = load_model(ModelConfig(str(folder), dtype=dtype), device)
+    if device.type == "cpu":
+        CPUBackend(model.dtype, native).prepare_model(model)
+    return model
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -139,11 +155,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def test_prefill_matches_hf(case: str, native: bool, checkpoint: Callable[[str], Path]) -> None:
     folder = checkpoint(case)
     ids = prompt(45)
-    model = load(folder)
-    if not native:
-        model.set_fused_ops(None)
-        model.set_decode_kernel(None)
-    ours = PagedRunner(model)
+    model = load(folder, native=native)
+    ours = PagedRunner(model, native=native)
     ours.add("a", ids)
     got = ours.step([("a", len(ids))])["a"]
     ref = hf_logits(folder, ids, torch.float32)

@@ -23,10 +23,17 @@ from kvferry.native.block_copy import load_block_copy
 from kvferry.native.fused_ops import load_fused_ops
 from kvferry.native.paged_decode import load_paged_decode
 from kvferry.sampling_params import SamplingParams
+from kvferry.worker.model_runner import ModelRunner
 
 needs_cc = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
 )
+
+
+def _cpu_runner(folder: Path, dtype: str) -> ModelRunner:
+    """A loaded model as a CPU engine's model runner has tuned it."""
+    model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
+    return ModelRunner(model, 16, torch.device("cpu"), 0)
 
 
 def _load(
@@ -90,15 +97,15 @@ def test_paged_decode_supports_only_contiguous_cpu_fp32_and_bf16() -> None:
 
 @needs_cc
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_loader_attaches_the_decode_kernel_on_cpu(
+def test_runner_attaches_the_decode_kernel_on_cpu(
     tiny_model_factory: object, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tiny_model_factory()  # type: ignore[operator]
-    model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
-    assert model.has_decode_kernel == (dtype != "float16")
+    runner = _cpu_runner(folder, dtype)
+    assert (runner.attn_workspace.decode_kernel is not None) == (dtype != "float16")
     monkeypatch.setenv("KVFERRY_NATIVE_KERNELS", "0")
-    model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
-    assert not model.has_decode_kernel
+    runner = _cpu_runner(folder, dtype)
+    assert runner.attn_workspace.decode_kernel is None
 
 
 @needs_cc
@@ -184,15 +191,15 @@ def test_fused_ops_serve_only_fp32_cpu_rows() -> None:
 
 @needs_cc
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_loader_attaches_fused_ops_to_fp32_cpu_models(
+def test_runner_attaches_fused_ops_to_fp32_cpu_models(
     tiny_model_factory: object, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tiny_model_factory()  # type: ignore[operator]
-    model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
+    model = _cpu_runner(folder, dtype).model
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and all((m.fused is not None) == (dtype == "float32") for m in norms)
     monkeypatch.setenv("KVFERRY_NATIVE_KERNELS", "0")
-    model = load_model(ModelConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
+    model = _cpu_runner(folder, dtype).model
     assert all(m.fused is None for m in model.modules() if isinstance(m, RMSNorm))
 
 

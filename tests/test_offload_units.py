@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from kvferry.config import ConfigError
-from kvferry.kv_transfer.offload import host_buffer
+from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+from kvferry.core.kv_cache_manager import KVCacheManager
+from kvferry.kv_transfer import copy_ops
+from kvferry.kv_transfer.connectors.offloading.options import OffloadingOptions
+from kvferry.kv_transfer.connectors.offloading.worker_metadata import (
+    JobCounter,
+    OffloadWorkerMetadata,
+)
+from kvferry.kv_transfer.connectors.simple_cpu_offload.options import SimpleCPUOffloadOptions
+from kvferry.kv_transfer.copy_ops import CopyPool, coalesce, copy_blocks
 from kvferry.kv_transfer.offload.disk import (
     HEADER,
     CorruptChunk,
@@ -20,10 +29,9 @@ from kvferry.kv_transfer.offload.disk import (
     model_fingerprint,
     scan_folder,
 )
-from kvferry.kv_transfer.offload.host_buffer import CopyPool, HostKVBuffer, coalesce, copy_blocks
-from kvferry.kv_transfer.offload.jobs import JobCounter, JobKind, OffloadWorkerMetadata, TransferJob
+from kvferry.kv_transfer.offload.host_buffer import HostKVBuffer
+from kvferry.kv_transfer.offload.jobs import JobKind, TransferJob
 from kvferry.kv_transfer.offload.manager import LookupStatus, TieredOffloadingManager
-from kvferry.kv_transfer.offload.options import OffloadingOptions, SimpleCPUOffloadOptions
 from kvferry.kv_transfer.offload.policies import ARCPolicy, EvictionPolicy, LRUPolicy, policy_class
 from kvferry.kv_transfer.offload.stats import LookupStats
 from kvferry.kv_transfer.offload.tier import TierIndex
@@ -278,12 +286,12 @@ def test_copy_blocks_matches_indexing(
     """Host copies through the C row-copy kernel and through numpy, on the calling thread
     and split over a pool's threads."""
     if path.startswith("numpy"):
-        monkeypatch.setattr(host_buffer, "load_block_copy", lambda: None)
-    elif host_buffer.load_block_copy() is None:
+        monkeypatch.setattr(copy_ops, "load_block_copy", lambda: None)
+    elif copy_ops.load_block_copy() is None:
         pytest.skip("no C compiler: the row-copy kernel cannot be built here")
     pool = None
     if path.endswith("split"):
-        monkeypatch.setattr(host_buffer, "PARALLEL_COPY_BYTES", 0)
+        monkeypatch.setattr(copy_ops, "PARALLEL_COPY_BYTES", 0)
         pool = CopyPool(2)
     g = torch.Generator().manual_seed(seed)
     src = [torch.randn(2, 40, 4, 1, 2, generator=g) for _ in range(2)]
@@ -331,6 +339,52 @@ def test_transfer_engine_store_load_disk_roundtrip(tmp_path: Path) -> None:
     for n, t in kv.items():
         assert torch.equal(t[:, [0, 1]], original[n][:, [3, 5]])
     engine.shutdown()
+
+
+def test_transfer_engine_copies_through_the_engine_op(tmp_path: Path) -> None:
+    """Host and staging copies go through the op the connector was handed, both ways."""
+    engine, kv = _engine(tmp_path)
+    op = copy_ops.KVBlockCopy()
+    calls: list[str] = []
+
+    def recording_op(src, dst, src_ids, dst_ids, direction):  # noqa: ANN001, ANN202
+        calls.append(direction)
+        op(src, dst, src_ids, dst_ids, direction)
+
+    engine.copy_op = recording_op
+    original = {n: t.clone() for n, t in kv.items()}
+    engine.submit(TransferJob(1, JobKind.STORE, [3, 5], [0, 1]))
+    engine.submit(TransferJob(2, JobKind.DISK_STORE, [6, 7], [], k(4).hex()))
+    engine.wait([1, 2])
+    engine.submit(TransferJob(3, JobKind.LOAD, [0, 1], [0, 1], req_ids=["r"]))
+    engine.submit(TransferJob(4, JobKind.LOAD, [], [], disk_loads=[(k(4).hex(), 0, [2, 4])]))
+    engine.wait([3, 4])
+    assert all(r.ok for r in engine.poll())
+    assert sorted(calls) == ["d2h", "d2h", "h2d", "h2d"]
+    for n, t in kv.items():
+        assert torch.equal(t[:, [0, 1]], original[n][:, [3, 5]])
+        assert torch.equal(t[:, [2, 4]], original[n][:, [6, 7]])
+    engine.shutdown()
+    op.close()
+
+
+@pytest.mark.parametrize("op", ["KVBlockCopy", "copy_kv_blocks"])
+def test_engine_copy_op_matches_indexing(op: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    src = {f"l{i}": torch.randn(2, 12, 4, 1, 2, generator=g) for i in range(3)}
+    dst = {f"l{i}": torch.zeros(2, 9, 4, 1, 2) for i in range(2)}  # l2 has no destination
+    copy = copy_ops.KVBlockCopy() if op == "KVBlockCopy" else copy_ops.copy_kv_blocks
+    for _ in range(2):  # the second call reuses the cached copier
+        copy(src, dst, [7, 1, 2, 3, 11], [0, 4, 5, 6, 8], "d2h")
+    for n, d in dst.items():
+        assert torch.equal(d[:, [0, 4, 5, 6, 8]], src[n][:, [7, 1, 2, 3, 11]])
+        assert torch.equal(d[:, [1, 2, 3, 7]], torch.zeros_like(d[:, [1, 2, 3, 7]]))
+    with pytest.raises(ValueError, match="same length"):
+        copy(src, dst, [1], [], "d2h")
+    with pytest.raises(ValueError, match="direction"):
+        copy(src, dst, [1], [2], "sideways")  # type: ignore[arg-type]
+    if isinstance(copy, copy_ops.KVBlockCopy):
+        copy.close()
 
 
 def test_transfer_engine_failures_and_ordering(tmp_path: Path) -> None:
@@ -429,3 +483,24 @@ def test_cuda_transfer_engine_roundtrip(tmp_path: Path) -> None:
         assert torch.equal(t[:, dst], original[n][:, src])
         assert torch.equal(t[:, [30, 31, 32]], original[n][:, [11, 12, 13]])
     engine.shutdown()
+
+
+def test_eviction_candidates_read_the_free_queue_head_without_changing_it() -> None:
+    group = KVCacheGroupSpec(("l0",), 16, 1, 4, torch.float32)
+    manager = KVCacheManager(KVCacheConfig(6, (group,)), max_model_len=96)
+    head = [b.block_id for b in manager.eviction_candidates(4)]
+    assert head == [b.block_id for b in manager.block_pool.free_queue.blocks()[:4]]
+    assert [b.block_id for b in manager.eviction_candidates(4)] == head
+    assert len(manager.eviction_candidates(100)) == manager.get_num_free_blocks() == 6
+    manager.check_integrity()
+
+
+def test_split_connector_names_the_hook_called_on_the_wrong_role() -> None:
+    from offload_harness import OffloadHarness
+
+    h = OffloadHarness("SimpleCPUOffloadConnector", {"num_cpu_blocks": 8})
+    with pytest.raises(RuntimeError, match="register_kv_caches is a worker-side hook"):
+        h.sched_conn.register_kv_caches({})
+    with pytest.raises(RuntimeError, match="build_connector_meta is a scheduler-side hook"):
+        h.worker_conn.build_connector_meta(None)  # type: ignore[arg-type]
+    h.shutdown()

@@ -24,7 +24,7 @@ from sched_utils import (
 
 from kvferry.config import ConfigError
 from kvferry.request import RequestStatus
-from kvferry.worker.runner_output import ModelRunnerOutput
+from kvferry.step_types.runner_output import ModelRunnerOutput
 
 # -- basic lifecycle ----------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ from kvferry.config import ConfigError, EngineConfig, KVTransferConfig
 from kvferry.core.connector_state import apply_partial_tail_rule
 from kvferry.core.kv_cache_manager import KVCacheBlocks
 from kvferry.core.outputs import EngineCoreOutput
-from kvferry.core.sched_output import SchedulerOutput
 from kvferry.core.scheduler import Scheduler
 from kvferry.kv_transfer.aggregator import KVOutputAggregator
 from kvferry.kv_transfer.base import (
@@ -39,8 +38,9 @@ from kvferry.kv_transfer.base import (
     KVConnectorRole,
     KVConnectorStats,
 )
-from kvferry.kv_transfer.output import KVConnectorOutput
 from kvferry.request import Request, RequestStatus
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
 
 WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 

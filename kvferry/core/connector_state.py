@@ -10,13 +10,14 @@ it remembers what the protocol leaves open:
   (the request finished while its async load was in flight; the transfer may still write into
   its blocks, so they are released by ``finished_recving``). Such a request stays in
   ``Scheduler.requests`` but in no queue;
-* the load-failure policy, and which requests a step's load failures hit;
 * connector stats and KV cache events until the engine takes them.
 
-A per-request hook that raises (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
-``request_finished``) or answers out of contract is that request's fault, not the step's:
-:class:`ConnectorHookError` (or :attr:`FinishOutcome.error`) tells the scheduler to end only
-that request with an error.
+It never writes a request: it answers with decisions (a :class:`PrefixHit`, a
+:class:`FinishOutcome`, which finished requests to release, whether a load is done) and the
+scheduler applies them. A per-request hook that raises (``get_num_new_matched_tokens``,
+``update_state_after_alloc``, ``request_finished``) or answers out of contract is that
+request's fault, not the step's: :class:`ConnectorHookError` (or :attr:`FinishOutcome.error`)
+tells the scheduler to end only that request with an error.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.config import KV_LOAD_FAILURE_POLICIES, ConfigError
 from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kvferry.core.sched_output import SchedulerOutput
-from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorStats
-from kvferry.kv_transfer.output import KVConnectorOutput
+from kvferry.core.stats import ConnectorPrefixStats
+from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorStats
 from kvferry.request import Request, RequestStatus
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -77,27 +78,6 @@ class FinishOutcome:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class LoadFailure:
-    """A request whose loaded KV is (partly) bad: only its first ``num_valid_tokens`` tokens
-    can be trusted. ``bad_block_index`` is the first bad block of its table, or None when the
-    connector failed the whole load (``failed_recving``)."""
-
-    num_valid_tokens: int
-    bad_block_index: int | None
-    reason: str
-
-
-@dataclass
-class ConnectorPrefixStats:
-    """External lookups of admitted requests, in tokens (first admissions only)."""
-
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-    preempted_requests: int = 0
-
-
 def apply_partial_tail_rule(
     num_local: int, block_size: int, num_external: int, load_async: bool
 ) -> tuple[int, int, bool]:
@@ -128,21 +108,10 @@ class ConnectorState:
     :meth:`process_transfers` once per ``update_from_output``, after the step's tokens.
     """
 
-    def __init__(
-        self,
-        connector: KVConnectorBase | None,
-        kv_cache_manager: KVCacheManager,
-        kv_load_failure_policy: str = "fail",
-    ) -> None:
-        if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ConfigError(
-                f"kv_load_failure_policy {kv_load_failure_policy!r} is not one of "
-                f"{', '.join(KV_LOAD_FAILURE_POLICIES)}"
-            )
+    def __init__(self, connector: KVConnectorBase | None, kv_cache_manager: KVCacheManager) -> None:
         self.connector = connector
-        self.kv = kv_cache_manager
+        self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
-        self.recompute_failures = kv_load_failure_policy == "recompute"
         self.prefix_stats = ConnectorPrefixStats()
         self._loads_done: set[str] = set()
         self._awaiting_send: set[str] = set()
@@ -159,7 +128,7 @@ class ConnectorState:
         connector cannot answer yet (skip the request this step and ask again). Raises
         ConnectorHookError when the connector's lookup raises or offers more tokens than the
         request has."""
-        blocks, num_local = self.kv.get_computed_blocks(request)
+        blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
         connector = self.connector
         if connector is None:
             return PrefixHit(blocks, num_local)
@@ -197,7 +166,7 @@ class ConnectorState:
             return
         try:
             connector.update_state_after_alloc(
-                request, self.kv.get_blocks(request.request_id), hit.num_external
+                request, self.kv_cache_manager.get_blocks(request.request_id), hit.num_external
             )
         except Exception as e:
             raise ConnectorHookError(
@@ -212,7 +181,7 @@ class ConnectorState:
             self.prefix_stats.queries += request.num_tokens - hit.num_local
             self.prefix_stats.hits += hit.num_external
 
-    def build_meta(self, scheduler_output: SchedulerOutput) -> Any | None:
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         if self.connector is None:
             return None
         return self.connector.build_connector_meta(scheduler_output)
@@ -222,107 +191,21 @@ class ConnectorState:
         must run to release it: loading, loaded, running) still need to cover their known
         tokens. Without this, loads could fill the pool with requests none of which can run
         (each waiting for a block another holds), and nothing would ever free a block."""
-        bs, kv = self.block_size, self.kv
+        bs, kvm = self.block_size, self.kv_cache_manager
         return sum(
-            max(0, -(-r.num_tokens // bs) - kv.get_num_held_blocks(r.request_id)) for r in holders
+            max(0, -(-r.num_tokens // bs) - kvm.get_num_held_blocks(r.request_id)) for r in holders
         )
 
     def is_load_finished(self, req_id: str) -> bool:
         return req_id in self._loads_done
 
-    def promote_loaded(self, request: Request) -> None:
-        """Make a WAITING_FOR_REMOTE_KVS request whose load finished admissible again.
-
-        Its valid loaded prefix enters the prefix cache only now: while the load was in flight
-        other requests must not hit blocks whose KV had not arrived. A full hit is rewound by
-        one token, whose forward yields the logits to sample from. With nothing valid left
-        (a failed load under ``recompute``) its blocks go back and it starts over with a
-        fresh lookup.
-        """
-        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._loads_done.discard(request.request_id)
-        if request.num_computed_tokens == 0:
-            self.kv.free(request)
-        else:
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        request.status = (
-            RequestStatus.PREEMPTED if request.num_preemptions > 0 else RequestStatus.WAITING
-        )
-
-    # -- load failures --------------------------------------------------------------------
-
-    def find_failed_loads(
-        self,
-        kv_out: KVConnectorOutput,
-        requests: Mapping[str, Request],
-        candidates: Iterable[Request],
-        num_scheduled_tokens: Mapping[str, int],
-    ) -> dict[str, LoadFailure]:
-        """Requests hit by this step's ``failed_recving`` / ``invalid_block_ids``.
-
-        ``candidates`` are the requests whose blocks may hold loaded KV: those waiting for an
-        async load and the running ones (sync loads). Only blocks covering tokens computed
-        *before* this step count; tokens of this step are recomputed anyway. Every request
-        that depends on a bad block is truncated to it, including requests sharing it through
-        a same-step prefix hit (both then rewrite the same content; simpler than electing one).
-        Bad blocks lose their prefix-cache hashes at once, whoever holds them.
-        """
-        failures: dict[str, LoadFailure] = {}
-        for req_id in sorted(kv_out.failed_recving):
-            request = requests.get(req_id)
-            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                failures[req_id] = LoadFailure(0, None, "the connector failed the whole load")
-        invalid = self._checked_block_ids(kv_out.invalid_block_ids)
-        if not invalid:
-            return failures
-        self.kv.evict_blocks(invalid)
-        bs = self.block_size
-        for request in candidates:
-            req_id = request.request_id
-            if req_id in failures:
-                continue
-            computed_before = request.num_computed_tokens - num_scheduled_tokens.get(req_id, 0)
-            table = self.kv.get_block_ids(req_id)[0][: -(-computed_before // bs)]
-            bad = next((i for i, block_id in enumerate(table) if block_id in invalid), None)
-            if bad is not None:
-                reason = f"block {table[bad]} (tokens {bad * bs}..{(bad + 1) * bs - 1}) is invalid"
-                failures[req_id] = LoadFailure(bad * bs, bad, reason)
-        return failures
-
-    def apply_load_failures(
-        self,
-        kv_out: KVConnectorOutput,
-        requests: Mapping[str, Request],
-        candidates: Iterable[Request],
-        num_scheduled_tokens: Mapping[str, int],
-    ) -> tuple[set[str], list[Request]]:
-        """Find the requests hit by this step's load failures (:meth:`find_failed_loads`) and
-        rewind each to its valid prefix (0 if the whole load failed), with its bad blocks out
-        of the prefix cache. Returns all their ids, and under policy ``fail`` the requests the
-        caller must finish with FINISHED_ERROR (``request.error`` says why); under
-        ``recompute`` they compute the rest themselves.
-        """
-        failures = self.find_failed_loads(kv_out, requests, candidates, num_scheduled_tokens)
-        to_fail: list[Request] = []
-        for req_id, failure in failures.items():
-            request = requests[req_id]
-            if failure.bad_block_index is not None:
-                self.kv.uncache_blocks(request, failure.num_valid_tokens)
-            request.num_computed_tokens = failure.num_valid_tokens
-            logger.warning("KV load failed for %s: %s", request, failure.reason)
-            if not self.recompute_failures:
-                request.error = (
-                    f"KV cache load failed: {failure.reason} (kv_load_failure_policy='fail')"
-                )
-                to_fail.append(request)
-        return set(failures), to_fail
-
-    def _checked_block_ids(self, block_ids: set[int]) -> set[int]:
-        valid = {b for b in block_ids if 0 <= b < self.kv.num_blocks}
-        if len(valid) != len(block_ids):
-            logger.warning("ignoring invalid_block_ids outside the pool: %s", block_ids - valid)
-        return valid
+    def take_finished_load(self, req_id: str) -> bool:
+        """True (once) when ``req_id``'s async load was reported finished: the scheduler then
+        promotes the request, since its blocks now hold the loaded KV."""
+        if req_id not in self._loads_done:
+            return False
+        self._loads_done.discard(req_id)
+        return True
 
     # -- finishing and transfer completions -----------------------------------------------
 
@@ -339,7 +222,7 @@ class ConnectorState:
         delay_free, params, error = False, None, None
         connector = self.connector
         if connector is not None:
-            block_ids = self.kv.get_block_ids(req_id)[0]
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
             try:
                 delay_free, params = connector.request_finished(request, block_ids)
             except Exception as e:

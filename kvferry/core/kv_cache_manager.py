@@ -134,6 +134,17 @@ class KVCacheManager:
     def get_num_held_blocks(self, request_id: str) -> int:
         return len(self.req_to_blocks.get(request_id, ()))
 
+    def eviction_candidates(self, max_blocks: int) -> list[KVCacheBlock]:
+        """The next ``max_blocks`` free blocks the pool hands out, oldest first (a cached one
+        loses its hash then, so these are the next prefix-cache evictions). Read only: a
+        snapshot of the free queue's head; treat the blocks as read-only too."""
+        out: list[KVCacheBlock] = []
+        block = self.block_pool.free_queue.head
+        while block is not None and len(out) < max_blocks:
+            out.append(block)
+            block = block.next_free
+        return out
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest run of leading blocks already in the prefix cache, and its token count.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.request import PrefillStats, Request, RequestStatus
+
 
 @dataclass
 class EngineCoreOutput:
@@ -19,6 +21,29 @@ class EngineCoreOutput:
     num_local_cached_tokens: int = 0
     num_external_cached_tokens: int = 0
     error: str | None = None
+
+    @classmethod
+    def from_request(
+        cls,
+        request: Request,
+        new_token_ids: list[int] | None = None,
+        new_logprobs: list[dict[int, float]] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> EngineCoreOutput:
+        """The output for ``request`` as it stands (finish reason, cache hits, error) with this
+        step's new tokens."""
+        stats = request.prefill_stats or PrefillStats()
+        return cls(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids if new_token_ids is not None else [],
+            new_logprobs=new_logprobs,
+            finish_reason=RequestStatus.finish_reason(request.status),
+            stop_reason=request.stop_reason,
+            kv_transfer_params=kv_transfer_params,
+            num_local_cached_tokens=stats.num_local_cached_tokens,
+            num_external_cached_tokens=stats.num_external_cached_tokens,
+            error=request.error,
+        )
 
     @property
     def finished(self) -> bool:

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from kvferry.config import ConfigError, EngineConfig
-from kvferry.core.sched_utils import SchedulerStats
+from kvferry.core.stats import SchedulerStats
 from kvferry.engine.llm_engine import LLMEngine
-from kvferry.logger import init_logger, kv
+from kvferry.logger import fmt_fields, init_logger
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
 
@@ -351,7 +351,7 @@ class AsyncLLM:
         if self.observer is not None:
             for _ in live:
                 self.observer.record_ended("abort")
-        logger.debug(kv("aborted", requests=",".join(live)))
+        logger.debug(fmt_fields("aborted", requests=",".join(live)))
 
     @staticmethod
     def _call(engine: LLMEngine, cmd: _Call) -> None:
@@ -408,7 +408,7 @@ class AsyncLLM:
     def _declare_dead(self, engine: LLMEngine, reason: str) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
-            logger.error(kv("engine is dead; failing all requests", reason=reason))
+            logger.error(fmt_fields("engine is dead; failing all requests", reason=reason))
         self._fail_all(engine, EngineDeadError(self.dead_reason))
 
     def _collect_kv_stats(self, engine: LLMEngine) -> None:

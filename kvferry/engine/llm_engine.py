@@ -22,7 +22,7 @@ from kvferry.engine.output_processor import OutputProcessor
 from kvferry.kv_transfer.base import KVConnectorRole, KVConnectorStats, KVConnectorStatsTotals
 from kvferry.kv_transfer.factory import KVConnectorFactory
 from kvferry.kv_transfer.trace import maybe_wrap
-from kvferry.logger import init_logger, kv
+from kvferry.logger import fmt_fields, init_logger
 from kvferry.outputs import RequestOutput
 from kvferry.request import Request, RequestStatus
 from kvferry.sampling_params import SamplingParams
@@ -83,6 +83,12 @@ class LLMEngine:
             connector=connector,
             kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "fail",
         )
+        if connector is not None:
+            # KV connector: what each worker's connector published after register_kv_caches
+            # (e.g. its side-channel address), handed to the scheduler side once, by rank.
+            handshake = self.executor.get_kv_connector_handshake_metadata()
+            if handshake:
+                connector.set_xfer_handshake_metadata(handshake)
         # Connector stats: totals since start (in request metrics), totals of the current log
         # interval, and the raw stats of the last step (for exporters such as Prometheus).
         self.kv_connector_totals = KVConnectorStatsTotals()
@@ -94,7 +100,7 @@ class LLMEngine:
         self._last_log = time.monotonic()
         self._tokens_since_log = 0
         self.startup_seconds = time.perf_counter() - t0
-        logger.info(kv("engine ready", seconds=self.startup_seconds))
+        logger.info(fmt_fields("engine ready", seconds=self.startup_seconds))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -248,7 +254,9 @@ class LLMEngine:
             return
         fields = dict(vars(self.scheduler.make_stats() or {}))
         fields.update({f"kv_{k}": v for k, v in self._interval_kv_stats.as_dict().items()})
-        logger.info(kv("engine stats", gen_tok_per_s=self._tokens_since_log / elapsed, **fields))
+        logger.info(
+            fmt_fields("engine stats", gen_tok_per_s=self._tokens_since_log / elapsed, **fields)
+        )
         self._interval_kv_stats.reset()
         self._last_log, self._tokens_since_log = now, 0
 

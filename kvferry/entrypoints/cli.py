@@ -106,14 +106,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
     if args.log_stats:
         # The engine logs at intervals, so a short run would otherwise log nothing.
-        from kvferry.logger import init_logger, kv
+        from kvferry.logger import fmt_fields, init_logger
 
         fields: dict[str, int | float] = {"requests": len(outputs), **totals}
         fields["gen_tok_per_s"] = n_out / max(elapsed, 1e-9)
         connector = llm.engine.kv_connector_totals
         if not connector.is_empty():
             fields.update({f"kv_{k}": v for k, v in connector.as_dict().items()})
-        init_logger(__name__).info(kv("engine stats (run total)", **fields))
+        init_logger(__name__).info(fmt_fields("engine stats (run total)", **fields))
     return 0
 
 

@@ -53,7 +53,7 @@ from kvferry.entrypoints.openai.http_utils import (
     unless_disconnected,
 )
 from kvferry.entrypoints.openai.limits import ServerLimits
-from kvferry.logger import init_logger, kv
+from kvferry.logger import fmt_fields, init_logger
 from kvferry.metrics import CONTENT_TYPE, ProxyMetrics
 
 logger = init_logger(__name__)
@@ -308,9 +308,11 @@ class PDProxy:
             ok = resp.status_code == 200
         except httpx.HTTPError as e:
             ok, resp = False, None
-            logger.warning(kv("kv release failed", instance=p_url, error=repr(e)))
+            logger.warning(fmt_fields("kv release failed", instance=p_url, error=repr(e)))
         if resp is not None and not ok:
-            logger.warning(kv("kv release refused", instance=p_url, status=resp.status_code))
+            logger.warning(
+                fmt_fields("kv release refused", instance=p_url, status=resp.status_code)
+            )
         self.metrics.releases.labels("ok" if ok else "failed").inc()
         return ok
 
@@ -387,7 +389,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     key = read_api_key_file(key_file, "upstream API key file") if key_file else None
     proxy = PDProxy(args.prefill, args.decode, timeout=args.timeout, upstream_api_key=key)
     sock = listen_socket(args.host, args.port, "kvferry proxy")
-    logger.info(kv("proxy", prefill=",".join(proxy.prefill), decode=",".join(proxy.decode)))
+    logger.info(fmt_fields("proxy", prefill=",".join(proxy.prefill), decode=",".join(proxy.decode)))
     limits = ServerLimits()
     app = build_proxy_app(proxy, limits)
     serve_app(app, sock, args.uvicorn_log_level, lifespan="on", limits=limits)

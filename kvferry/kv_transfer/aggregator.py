@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from kvferry.kv_transfer.output import KVConnectorOutput
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
 
 
 class KVOutputAggregator:

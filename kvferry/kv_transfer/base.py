@@ -8,7 +8,9 @@ KV around the forward pass and the attention layers, and reports completions, fa
 and ``KVConnectorWorkerMetadata`` back through ``KVConnectorOutput``. Nothing else travels
 between the two, and both payloads must be plain data (no pickle across processes).
 
-Per step the engine calls, in this order::
+At start the engine calls ``register_kv_caches`` -> ``set_host_xfer_buffer_ops`` ->
+``get_handshake_metadata`` on every worker, then ``set_xfer_handshake_metadata`` on the
+scheduler side with the answers by rank. Per step the engine calls, in this order::
 
     scheduler: get_num_new_matched_tokens -> (allocate_slots) -> update_state_after_alloc
                -> build_connector_meta                       (every step, empty ones too)
@@ -41,15 +43,34 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from kvferry.logger import init_logger
+from kvferry.step_types.kv_connector_metadata import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig
     from kvferry.core.kv_cache_config import KVCacheConfig
     from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from kvferry.core.sched_output import SchedulerOutput
-    from kvferry.kv_transfer.output import KVConnectorOutput
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
+    from kvferry.step_types.kv_connector_output import KVConnectorOutput
+    from kvferry.step_types.scheduler_output import SchedulerOutput
+
+__all__ = [
+    "CopyBlocksOp",
+    "KVConnectorBase",
+    "KVConnectorBase_V1",
+    "KVConnectorHandshakeMetadata",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorStatsTotals",
+    "KVConnectorWorkerMetadata",
+    "SupportsHMA",
+    "supports_hma",
+]
 
 logger = init_logger(__name__)
 
@@ -64,22 +85,6 @@ CopyBlocksOp = Callable[
 class KVConnectorRole(enum.IntEnum):
     SCHEDULER = 0
     WORKER = 1
-
-
-class KVConnectorMetadata:  # noqa: B024 - a marker base; connectors subclass with their fields
-    """The scheduler side's plan for one step, handed to every worker. Plain data only."""
-
-
-class KVConnectorWorkerMetadata(ABC):
-    """Worker-to-scheduler side data of one step (e.g. completed store jobs)."""
-
-    @abstractmethod
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Fold another worker's metadata of the same step into this one and return the result."""
-
-
-class KVConnectorHandshakeMetadata:  # noqa: B024 - marker base for out-of-band handshakes
-    """Per-worker data a peer needs before it can transfer (addresses, memory descriptors)."""
 
 
 @dataclass
@@ -260,6 +265,9 @@ class KVConnectorBase(ABC):
         return None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Asked once per worker at start, after ``register_kv_caches``: what a peer needs to
+        reach this worker (addresses, memory descriptors), or None. The engine hands every
+        rank's answer to the scheduler side through ``set_xfer_handshake_metadata``."""
         return None
 
     def shutdown(self) -> None:
@@ -343,7 +351,8 @@ class KVConnectorBase(ABC):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        """Called on the scheduler side at start with each worker rank's handshake metadata."""
+        """Called on the scheduler side once at start, with each worker rank's
+        ``get_handshake_metadata`` (ranks that returned None left out; not called when all did)."""
 
     def reset_cache(self) -> bool | None:
         return None

@@ -51,9 +51,9 @@ LAYER_METHODS = ("wait_for_layer_load", "save_kv_layer")
 
 
 def _req_ids(value: Any) -> list[str]:
-    from kvferry.core.sched_output import SchedulerOutput
-    from kvferry.kv_transfer.output import KVConnectorOutput
     from kvferry.request import Request
+    from kvferry.step_types.kv_connector_output import KVConnectorOutput
+    from kvferry.step_types.scheduler_output import SchedulerOutput
 
     if isinstance(value, Request):
         return [value.request_id]

@@ -3,7 +3,8 @@
 Each layer's cache has shape ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (index 0
 keys, 1 values). A forward writes the step's new K/V at ``slot_mapping`` and then attends
 following the plan in :class:`~kvferry.model.attention_metadata.AttentionMetadata`. Only
-device-agnostic torch ops are used, so the same code runs on CPU and CUDA.
+device-agnostic torch ops are used, so the same code runs on CPU and CUDA, except for a
+decode kernel that the runner's workspace may offer.
 """
 
 from __future__ import annotations
@@ -13,46 +14,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.model.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
+from kvferry.model.attention_workspace import AttentionWorkspace, GatherBuffers
 from kvferry.model.forward_context import get_forward_context
-from kvferry.native.paged_decode import PagedDecodeKernel
 
 
-class _GatherWorkspace:
-    """One reusable buffer per (device, dtype) for gathered KV blocks.
-
-    Layers run one after another, so they can share it. Reusing it matters on CPU: a fresh
-    multi-megabyte tensor per layer is served by mmap and page-faulted in on every step, which
-    costs several times the gather itself.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def get(self, numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        key = (device, dtype)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            # A normal tensor even when first needed under inference_mode, so that later
-            # forwards under no_grad (or neither) may still write into it.
-            with torch.inference_mode(False):
-                buf = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buf
-        return buf[:numel]
-
-
-_WORKSPACE = _GatherWorkspace()
-# Target size of one decode gather on CPU: small enough to stay in the last-level cache
-# (measured on a 32 MiB-L3 EPYC: 2x faster than one gather of the whole batch at 4.7 MiB).
-_CPU_GATHER_BYTES = 4 << 20
-
-
-def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy blocks ``block_ids`` (1-D) of both K and V into the shared workspace; returns a
-    view shaped ``(2, len(block_ids) * block_size, num_kv_heads, head_dim)``."""
+def _gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, buffers: GatherBuffers
+) -> torch.Tensor:
+    """Copy blocks ``block_ids`` (1-D) of both K and V into ``buffers``; returns a view shaped
+    ``(2, len(block_ids) * block_size, num_kv_heads, head_dim)``."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     per_block = block_size * kv_heads * head_dim
     n = block_ids.numel()
-    out = _WORKSPACE.get(2 * n * per_block, kv_cache.device, kv_cache.dtype).view(2, n, per_block)
+    out = buffers.get(2 * n * per_block, kv_cache.device, kv_cache.dtype).view(2, n, per_block)
     torch.index_select(kv_cache.view(2, num_blocks, per_block), 1, block_ids, out=out)
     return out.view(2, n * block_size, kv_heads, head_dim)
 
@@ -64,7 +38,9 @@ class Attention(nn.Module):
     ``[num_tokens, num_heads * head_dim]`` (or ``[num_tokens, num_heads, head_dim]``), ``k``/``v``
     likewise with ``num_kv_heads`` — already projected and rotated, and returns
     ``[num_tokens, num_heads * head_dim]``. It reads the active forward context: the step's
-    :class:`AttentionMetadata` and this layer's cache ``ctx.kv_caches[layer_name]``.
+    :class:`AttentionMetadata`, this layer's cache ``ctx.kv_caches[layer_name]`` and the
+    runner's :class:`~kvferry.model.attention_workspace.AttentionWorkspace` (scratch memory
+    and the device's decode kernel).
 
     With no metadata (a warm-up or profiling run) the batch is treated as one causal sequence
     and the cache is left alone.
@@ -73,12 +49,7 @@ class Attention(nn.Module):
     ``wait_for_layer_load(layer_name)`` before the cache is touched, and
     ``save_kv_layer(layer_name, kv_cache, attn_metadata)`` once the new K/V are in the cache
     and attention is computed.
-
-    ``decode_kernel`` (set by the loader on CPU engines) serves decode rows straight from the
-    paged pool; without it they go through a block gather and SDPA.
     """
-
-    decode_kernel: PagedDecodeKernel | None = None
 
     def __init__(
         self,
@@ -117,7 +88,7 @@ class Attention(nn.Module):
             connector.wait_for_layer_load(self.layer_name)
         kv_cache = ctx.kv_caches[self.layer_name]
         self._write(kv_cache, k, v, meta.slot_mapping)
-        out = self._attend(q, k, v, kv_cache, meta)
+        out = self._attend(q, k, v, kv_cache, meta, ctx.attn_workspace)
         if connector is not None:
             connector.save_kv_layer(self.layer_name, kv_cache, meta)
         return out.reshape(n, -1)
@@ -137,54 +108,60 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        ws: AttentionWorkspace,
     ) -> torch.Tensor:
         # A batch that is a single plan returns that plan's result; otherwise each plan fills
         # its rows of one output tensor.
         if not meta.decodes and len(meta.prefills) == 1:
-            return self._prefill(q, k, v, kv_cache, meta.prefills[0])
+            return self._prefill(q, k, v, kv_cache, meta.prefills[0], ws.buffers)
         if len(meta.decodes) == 1 and not meta.prefills:
             # All rows are decodes, so the group covers the whole batch in order.
-            return self._decode(q, kv_cache, meta.decodes[0])
+            return self._decode(q, kv_cache, meta.decodes[0], ws)
         out = torch.empty_like(q)
         for plan in meta.decodes:
             if plan.token_range is not None:
                 start, stop = plan.token_range
-                out[start:stop] = self._decode(q[start:stop], kv_cache, plan)
+                out[start:stop] = self._decode(q[start:stop], kv_cache, plan, ws)
             else:
                 assert plan.token_index is not None
-                out.index_copy_(
-                    0, plan.token_index, self._decode(q[plan.token_index], kv_cache, plan)
-                )
+                rows = self._decode(q[plan.token_index], kv_cache, plan, ws)
+                out.index_copy_(0, plan.token_index, rows)
         for p in meta.prefills:
-            out[p.token_start : p.token_stop] = self._prefill(q, k, v, kv_cache, p)
+            out[p.token_start : p.token_stop] = self._prefill(q, k, v, kv_cache, p, ws.buffers)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, ws: AttentionWorkspace
+    ) -> torch.Tensor:
         """``q``: the group's rows ``[num_reqs, heads, d]``. The query heads that share a KV
         head are laid along the query-length axis, so one plain SDPA call covers GQA without
         repeating K/V.
 
-        On CPU the group is processed a few requests at a time so that the gathered K/V are
-        still in cache when attention reads them; one big gather that spills to DRAM is read
-        back from DRAM at about the cost of the gather itself.
+        With ``ws.decode_gather_bytes`` the group is processed a few requests at a time so
+        that the gathered K/V are still in cache when attention reads them; one big gather that
+        spills to DRAM is read back from DRAM at about the cost of the gather itself.
         """
-        kernel = self.decode_kernel
+        kernel = ws.decode_kernel
         if kernel is not None and kernel.supports(kv_cache, q):
             return kernel(q, kv_cache, plan.block_table, plan.seq_lens, self.scale)
         nreq, nblocks = plan.block_table.shape
         qg = q.view(nreq, self.num_kv_heads, self.group, self.head_dim)
         mask = plan.additive_mask(q.dtype)
         step = nreq
-        if kv_cache.device.type == "cpu":
+        if ws.decode_gather_bytes is not None:
             per_req = 2 * kv_cache[0, 0].numel() * nblocks * kv_cache.element_size()
-            step = max(1, _CPU_GATHER_BYTES // per_req)
+            step = max(1, ws.decode_gather_bytes // per_req)
         if step >= nreq:
-            return self._decode_chunk(qg, kv_cache, plan.block_table, mask).view(q.shape)
+            return self._decode_chunk(qg, kv_cache, plan.block_table, mask, ws.buffers).view(
+                q.shape
+            )
         out = torch.empty_like(qg)
         for start in range(0, nreq, step):
             rows = slice(start, start + step)
             m = None if mask is None else mask[rows]
-            out[rows] = self._decode_chunk(qg[rows], kv_cache, plan.block_table[rows], m)
+            out[rows] = self._decode_chunk(
+                qg[rows], kv_cache, plan.block_table[rows], m, ws.buffers
+            )
         return out.view(q.shape)
 
     def _decode_chunk(
@@ -193,9 +170,10 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         block_table: torch.Tensor,
         mask: torch.Tensor | None,
+        buffers: GatherBuffers,
     ) -> torch.Tensor:
         nreq = block_table.shape[0]
-        kv = _gather_blocks(kv_cache, block_table.flatten())
+        kv = _gather_blocks(kv_cache, block_table.flatten(), buffers)
         kv = kv.view(2, nreq, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         return F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=self.scale)
 
@@ -206,6 +184,7 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         p: PrefillPlan,
+        buffers: GatherBuffers,
     ) -> torch.Tensor:
         qs = q[p.token_start : p.token_stop]
         if p.context_len == 0:
@@ -213,7 +192,7 @@ class Attention(nn.Module):
                 qs, k[p.token_start : p.token_stop], v[p.token_start : p.token_stop]
             )
         assert p.block_ids is not None and p.mask is not None
-        kv = _gather_blocks(kv_cache, p.block_ids)[:, : p.seq_len].transpose(1, 2)
+        kv = _gather_blocks(kv_cache, p.block_ids, buffers)[:, : p.seq_len].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0),
             kv[0].unsqueeze(0),

@@ -10,12 +10,27 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kvferry.model.attention_workspace import AttentionWorkspace
+
 if TYPE_CHECKING:
     from kvferry.model.attention_metadata import AttentionMetadata
+
+
+class LayerKVHooks(Protocol):
+    """What an attention layer calls on the worker-side KV connector (a ``KVConnectorBase``);
+    named here so that the model does not depend on the connector package."""
+
+    def has_connector_metadata(self) -> bool: ...
+
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None: ...
 
 
 @dataclass
@@ -26,7 +41,10 @@ class ForwardContext:
     kv_caches: dict[str, torch.Tensor]
     # The worker-side KV connector, or None. Attention layers call its per-layer hooks only
     # when it has metadata bound for this step.
-    kv_connector: Any | None = None
+    kv_connector: LayerKVHooks | None = None
+    # Scratch memory and the device's attention kernels; the model runner passes the one it
+    # owns, so buffers are reused from step to step.
+    attn_workspace: AttentionWorkspace = field(default_factory=AttentionWorkspace)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

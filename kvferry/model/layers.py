@@ -8,6 +8,7 @@ one rounds the same way in the places that matter.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,8 +24,8 @@ class RMSNorm(nn.Module):
     ``add_norm(x, residual)`` is the fused form used between sub-layers: it adds ``residual``
     to ``x`` in the input dtype (as HF's decoder layers do) and returns
     ``(norm(x + residual), x + residual)``; the sum is the next residual stream. With
-    ``fused`` ops (fp32 CPU models) the sum is written into ``residual`` itself, so callers
-    must own that tensor.
+    ``fused`` ops (set by a device backend) the sum is written into ``residual`` itself, so
+    callers must own that tensor.
     """
 
     fused: FusedOps | None = None
@@ -146,100 +147,21 @@ def apply_rotary(
     return out
 
 
-def _native_half_matmul(dtype: torch.dtype) -> bool:
-    """Whether this CPU has bf16/fp16 matrix instructions (AVX512-BF16, AMX)."""
-    probes = {
-        torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-        torch.float16: ("_is_amx_fp16_supported",),
-    }[dtype]
-    for name in probes:
-        probe = getattr(torch.cpu, name, None)
-        try:
-            if probe is not None and probe():
-                return True
-        except RuntimeError:
-            pass
-    return False
-
-
-_NATIVE_HALF = {dt: _native_half_matmul(dt) for dt in (torch.bfloat16, torch.float16)}
-
-
-def emulated_half_matmul(dtype: torch.dtype) -> bool:
-    """True for bf16/fp16 on a CPU that has no matrix instructions for them."""
-    return dtype in _NATIVE_HALF and not _NATIVE_HALF[dtype]
-
-
-# Below this many rows the half-precision GEMV is memory-bound and beats converting the weight.
-_UPCAST_MIN_ROWS = 6
-
-
-def input_major(weight: torch.Tensor) -> torch.Tensor:
-    """The same ``(out, in)`` matrix stored column-major (strides ``(1, out)``); ``weight``
-    itself when it already is."""
-    if weight.stride() == (1, weight.shape[0]):
-        return weight
-    return weight.t().contiguous().t()
-
-
-# Up to this many rows a oneDNN-packed weight is faster than MKL on a dense one (measured on
-# AVX2 with weights streamed from DRAM: 2x at 8 rows, 1.2x at 64, 0.9x at 256 and above).
-PACKED_MAX_ROWS = 128
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-blocked copy of an fp32 ``(out, in)`` CPU weight for :func:`linear`, or None
-    where this torch build has no oneDNN."""
-    try:
-        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-    except (AttributeError, RuntimeError):
-        return None
-    return packed
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``F.linear`` with two CPU fast paths.
-
-    ``packed`` (from :func:`pack_weight`, always fp32): used for 2-D inputs of at most
-    :data:`PACKED_MAX_ROWS` rows, where the GEMM streams the weight from memory and oneDNN's
-    blocked layout streams it about twice as fast as MKL does a plain matrix. A half
-    precision input is computed in fp32 and rounded back, as the path below does.
-
-    Half precision on a CPU without bf16/fp16 matrix instructions (e.g. AVX2 only): torch
-    emulates those GEMMs, 5-8x slower than fp32 for 64+ rows, so the weight is widened to
-    fp32 for the call instead: bf16 x bf16 products are exact in fp32 and both paths
-    accumulate in fp32, so the result only differs by summation order. Elsewhere (CUDA,
-    AMX/AVX512-BF16 CPUs) this is F.linear.
-    """
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
-        b = None if bias is None else bias.float()
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.float().contiguous(), packed, b, "none", [], ""
-        )
-        return out.to(x.dtype)
-    if (
-        x.device.type == "cpu"
-        and emulated_half_matmul(x.dtype)
-        and x.numel() >= _UPCAST_MIN_ROWS * x.shape[-1]
-    ):
-        b = None if bias is None else bias.float()
-        return F.linear(x.float(), weight.float(), b).to(x.dtype)
-    return F.linear(x, weight, bias)
+# ``(x, weight, bias) -> F.linear(x, weight, bias)`` up to rounding, computed another way
+# (e.g. from a copy of the weight laid out for this device's GEMMs).
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` computed with :func:`linear`; ``packed`` is set by
-    :meth:`~kvferry.model.llama.CausalLM.optimize_for_cpu_fp32`."""
+    """``nn.Linear``. A device backend may set ``kernel`` to compute the product in place of
+    ``F.linear``; the parameters keep the checkpoint's values."""
 
-    packed: torch.Tensor | None = None
+    kernel: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class GatedMLP(nn.Module):

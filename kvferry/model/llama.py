@@ -14,6 +14,7 @@ tensors: ``self_attn.qkv_proj`` (q, k, v stacked along the output dim) and
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvferry.config import ArchConfig
@@ -21,15 +22,12 @@ from kvferry.model.attention import Attention
 from kvferry.model.layers import (
     GatedMLP,
     Linear,
+    LinearKernel,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    input_major,
-    linear,
-    pack_weight,
 )
 from kvferry.native.fused_ops import FusedOps
-from kvferry.native.paged_decode import PagedDecodeKernel
 
 
 class DecoderAttention(nn.Module):
@@ -111,7 +109,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
         # Built for the loader to fill (on the meta device): an explicit weight skips the
-        # random init, whose meta-device decomposition alone took 3 s of start-up.
+        # random init, whose meta-device decomposition is slow enough to dominate start-up.
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
@@ -154,67 +152,23 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions)
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        self._logits_packed: torch.Tensor | None = None
-        self.has_decode_kernel = False
+        # Set by a device backend, like Linear.kernel, for the logits product.
+        self.logits_kernel: LinearKernel | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.layer_names: list[str] = [
             f"model.layers.{i}.self_attn.attn" for i in range(cfg.num_hidden_layers)
         ]
 
-    def optimize_for_cpu_fp32(self) -> None:
-        """Lay out the fp32 matmul weights for CPU GEMMs (the loader calls this for fp32 on
-        CPU; half-precision weights must stay as they are: without native bf16/fp16 GEMMs
-        a transposed layout falls onto a path 20x slower).
-
-        Each weight gets a oneDNN-packed copy used for steps of at most
-        :data:`~kvferry.model.layers.PACKED_MAX_ROWS` rows (decode), which streams the weight
-        about twice as fast as MKL does a plain matrix; that doubles the memory the fp32
-        weights take. The logits use a packed copy of the (tied) embedding in the same way.
-        Larger steps use the dense weight, whose layout makes no measurable difference there.
-        Where this torch has no oneDNN, dense weights become input-major instead (strides
-        ``(1, out)``): MKL then streams them up to 1.8x faster for steps of a few rows.
-        """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = pack_weight(module.weight.data)
-                if module.packed is None:
-                    module.weight.data = input_major(module.weight.data)
-        if self.tie_word_embeddings:
-            self._logits_packed = pack_weight(self.model.embed_tokens.weight.data)
-        else:
-            self._logits_packed = self.lm_head.packed
-
-    def set_decode_kernel(self, kernel: PagedDecodeKernel | None) -> None:
-        """Give every attention layer the in-place CPU decode kernel (None: torch path)."""
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.decode_kernel = kernel
-        self.has_decode_kernel = kernel is not None
-
-    def set_fused_ops(self, ops: FusedOps | None) -> None:
-        """Give the norms, rotary embeddings and MLP activations the one-pass CPU kernels
-        (None: torch ops). They serve fp32 tensors only; others keep the torch ops. Inference
-        only: the kernels write through raw pointers, out of autograd's sight."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
-                module.fused = ops
-
-    def optimize_for_cpu_emulated_half(self) -> None:
-        """bf16/fp16 weights on a CPU without native half-precision GEMMs (the loader calls
-        this there): the layers widen each weight to fp32 per call (see
-        :func:`~kvferry.model.layers.linear`), which for the vocabulary-sized logits matrix
-        costs more than the product itself at decode sizes (75 ms per step for a 32k x 1024
-        matrix). The logits therefore get a persistent oneDNN-packed fp32 copy (4 bytes per
-        vocabulary entry and hidden unit), used for steps of at most
-        :data:`~kvferry.model.layers.PACKED_MAX_ROWS` sampled rows.
-        """
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        self._logits_packed = pack_weight(weight.data.float())
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight, packed=self._logits_packed).float()
+        if self.logits_kernel is not None:
+            return self.logits_kernel(hidden, weight, None).float()
+        return F.linear(hidden, weight).float()

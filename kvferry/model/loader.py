@@ -17,10 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kvferry.config import ArchConfig, ConfigError, ModelConfig
-from kvferry.model.layers import emulated_half_matmul
 from kvferry.model.llama import CausalLM
-from kvferry.native.fused_ops import load_fused_ops
-from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +32,8 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     """Build the model for ``model_config.arch`` and load its weights onto ``device`` in
-    ``model_config.torch_dtype``; the result is in eval mode with gradients off.
+    ``model_config.torch_dtype``; the result is in eval mode with gradients off, laid out as
+    the checkpoint is (device tuning is the model runner's).
 
     Rotary tables cover ``model_config.max_len`` positions. Reads
     ``model.safetensors.index.json`` when present, otherwise every ``*.safetensors`` file
@@ -95,20 +93,13 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
         )
     model.eval()
     model.requires_grad_(False)
-    if device.type == "cpu" and model_config.torch_dtype == torch.float32:
-        model.optimize_for_cpu_fp32()
-        model.set_fused_ops(load_fused_ops())
-    elif device.type == "cpu" and emulated_half_matmul(model_config.torch_dtype):
-        model.optimize_for_cpu_emulated_half()
-    if device.type == "cpu" and model_config.torch_dtype in PagedDecodeKernel.DTYPES:
-        model.set_decode_kernel(load_paged_decode())
     return model
 
 
 def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Give every meta parameter uninitialised storage of ``dtype`` on ``device``.
-    ``Module.to_empty`` would get there through torch's Python reference ops, which cost most
-    of a second of start-up on first use."""
+    ``Module.to_empty`` would get there through torch's Python reference ops, which are slow
+    on first use."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             empty = torch.empty(param.shape, dtype=dtype, device=device)

@@ -12,9 +12,9 @@ import torch
 def long_tensor(values: Iterable[int], device: torch.device | None = None) -> torch.Tensor:
     """A 1-D int64 tensor of ``values`` (on ``device`` when given).
 
-    ``torch.tensor`` converts a list of Python ints element by element (about 0.1 us each:
-    130 us for a 64 x 21 block table, every step); ``array('q')`` fills a C buffer in one
-    loop and the tensor wraps it, 4-10x faster. The tensor keeps the buffer alive.
+    ``torch.tensor`` converts a list of Python ints element by element, which for a block
+    table every step adds up; ``array('q')`` fills a C buffer in one loop and the tensor
+    wraps it. The tensor keeps the buffer alive.
     """
     buf = array.array("q", values)
     t = torch.frombuffer(buf, dtype=torch.int64) if buf else torch.empty(0, dtype=torch.int64)

@@ -1,7 +1,7 @@
 """Building and caching the C kernels in ``csrc/``.
 
 The kernels are plain C (OpenMP where they parallelise), so building one needs only a C
-compiler (``$CC`` or ``cc``) and takes well under a second; no torch headers are involved.
+compiler (``$CC`` or ``cc``) and is quick; no torch headers are involved.
 They link the OpenMP runtime by its soname (``libgomp.so.1``), which resolves to the
 runtime torch already loaded, so a kernel and torch share one thread pool instead of two
 pools fighting over the cores.

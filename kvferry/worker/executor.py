@@ -2,16 +2,18 @@
 
 kvferry runs one worker in-process today. The executor is still the single place where the
 workers' KV-connector outputs are combined (``KVOutputAggregator``), so the scheduler sees a
-request finished only once every worker reported it, whatever the worker count.
+request finished only once every worker reported it, whatever the worker count. It talks to
+each ``Worker`` through its methods only, as it would to a worker in another process.
 """
 
 from __future__ import annotations
 
 from kvferry.config import EngineConfig
 from kvferry.core.kv_cache_config import KVCacheConfig
-from kvferry.core.sched_output import SchedulerOutput
 from kvferry.kv_transfer.aggregator import KVOutputAggregator
-from kvferry.worker.runner_output import ModelRunnerOutput
+from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
+from kvferry.step_types.runner_output import ModelRunnerOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
 from kvferry.worker.worker import Worker
 
 
@@ -31,8 +33,15 @@ class UniProcExecutor:
     def kv_cache_config(self) -> KVCacheConfig:
         return self.worker.kv_cache_config
 
+    def get_kv_connector_handshake_metadata(self) -> dict[int, KVConnectorHandshakeMetadata]:
+        """Every worker's connector handshake data, by rank (empty when none has any)."""
+        merged: dict[int, KVConnectorHandshakeMetadata] = {}
+        for w in self.workers:
+            merged.update(w.get_kv_connector_handshake_metadata() or {})
+        return merged
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        outputs = [w.model_runner.execute_model(scheduler_output) for w in self.workers]
+        outputs = [w.execute_model(scheduler_output) for w in self.workers]
         result = outputs[0]
         if self.aggregator is not None:
             result.kv_connector_output = self.aggregator.aggregate(

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from kvferry.core.sched_output import SchedulerOutput
 from kvferry.kv_transfer.base import KVConnectorBase
-from kvferry.kv_transfer.copy_ops import copy_kv_blocks
-from kvferry.kv_transfer.output import KVConnectorOutput
+from kvferry.kv_transfer.copy_ops import KVBlockCopy
 from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
 
 
 class KVConnectorDriver:
@@ -24,7 +24,9 @@ class KVConnectorDriver:
         self.connector = connector
         self.kv_caches = kv_caches
         connector.register_kv_caches(kv_caches)
-        connector.set_host_xfer_buffer_ops(copy_kv_blocks)
+        # One op per worker: it keeps its copier for the engine's KV and the connector's buffers.
+        self.copy_op = KVBlockCopy()
+        connector.set_host_xfer_buffer_ops(self.copy_op)
         self._load_started = False
 
     def pre_forward(self, so: SchedulerOutput, ctx: ForwardContext) -> None:

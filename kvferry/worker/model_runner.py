@@ -18,15 +18,16 @@ from typing import Any
 
 import torch
 
-from kvferry.core.sched_output import SchedulerOutput
 from kvferry.model.attention_metadata import build_attention_metadata
+from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.model.forward_context import ForwardContext, set_forward_context
 from kvferry.model.long_tensor import long_tensor
 from kvferry.model.sampler import Sampler, SamplingRow
-from kvferry.native.argmax import load_argmax
 from kvferry.sampling_params import SamplingParams
+from kvferry.step_types.runner_output import ModelRunnerOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
+from kvferry.worker.cpu_backend import CPUBackend
 from kvferry.worker.kv_connector import KVConnectorDriver
-from kvferry.worker.runner_output import ModelRunnerOutput
 
 
 @dataclass
@@ -55,28 +56,33 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: Any,
-        kv_caches: dict[str, torch.Tensor],
-        block_size: int,
-        device: torch.device,
-        seed: int,
-    ) -> None:
+    """Takes the freshly loaded model and applies the device's tuning to it (on CPU a
+    :class:`~kvferry.worker.cpu_backend.CPUBackend`); the KV caches come later, through
+    :meth:`initialize_kv_caches`, once the worker has sized the pool from what is left."""
+
+    def __init__(self, model: Any, block_size: int, device: torch.device, seed: int) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_caches: dict[str, torch.Tensor] = {}
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        cpu = CPUBackend(model.dtype) if device.type == "cpu" else None
+        if cpu is not None:
+            cpu.prepare_model(model)
+        # Scratch memory and kernel choices every attention layer uses, reused across steps.
+        self.attn_workspace = AttentionWorkspace() if cpu is None else cpu.attention_workspace()
         self.sampler = Sampler(
             torch.Generator(device="cpu").manual_seed(seed),
-            argmax=load_argmax() if device.type == "cpu" else None,
+            argmax=None if cpu is None else cpu.argmax,
         )
         # Drives the worker-side KV connector around each step (None without a connector).
         self.kv_driver: KVConnectorDriver | None = None
         # Requests that can never be sampled (their seed fits no generator) -> why; reported
         # as failed every step they are in, until the scheduler has finished them.
         self.unservable: dict[str, str] = {}
+
+    def initialize_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
 
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -157,10 +163,14 @@ class ModelRunner:
             block_tables=[self.requests[r].block_ids for r in batch.req_ids],
             block_size=self.block_size,
             device=self.device,
-            group_decodes=not self.model.has_decode_kernel,
+            # A decode kernel reads each request's blocks in place, so it takes all decodes
+            # in one plan.
+            group_decodes=self.attn_workspace.decode_kernel is None,
         )
         connector = driver.connector if driver is not None else None
-        ctx = ForwardContext(attn_metadata, self.kv_caches, connector)
+        ctx = ForwardContext(
+            attn_metadata, self.kv_caches, connector, attn_workspace=self.attn_workspace
+        )
         kv_output = None
         with set_forward_context(ctx):
             if driver is None:

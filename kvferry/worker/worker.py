@@ -18,11 +18,13 @@ import torch
 from kvferry import envs
 from kvferry.config import ConfigError, EngineConfig
 from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
-from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorHandshakeMetadata, KVConnectorRole
 from kvferry.kv_transfer.factory import KVConnectorFactory
 from kvferry.kv_transfer.trace import maybe_wrap
-from kvferry.logger import init_logger, kv
+from kvferry.logger import fmt_fields, init_logger
 from kvferry.model.loader import load_model
+from kvferry.step_types.runner_output import ModelRunnerOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
 from kvferry.worker.kv_connector import KVConnectorDriver
 from kvferry.worker.model_runner import ModelRunner
 
@@ -47,13 +49,12 @@ def zeroed_kv_tensor(
     garbage).
 
     On CPU the tensor lives in its own anonymous memory map, which the OS hands out zeroed,
-    page by page on first write: start-up does not pay for zeroing a pool up front (about
-    0.4 s per GiB here, on a pool sized for the whole run), each block's pages are paid for
-    when the block is first used, and RSS grows with the blocks in use
-    (``KVFERRY_KV_POOL_PREFAULT=1`` takes every page at start-up instead, for hosts where
-    the memory must be resident before the first request). Transparent huge
-    pages are not requested: attention reads scattered blocks a few percent faster from
-    them, but a huge-page fault may stall on memory compaction (seconds, measured here).
+    page by page on first write: start-up does not pay for zeroing a pool sized for the whole
+    run up front, each block's pages are paid for when the block is first used,
+    and RSS grows with the blocks in use (``KVFERRY_KV_POOL_PREFAULT=1`` takes every page at
+    start-up instead, for hosts where the memory must be resident before the first request).
+    Transparent huge pages are not requested: attention reads scattered blocks slightly
+    faster from them, but a huge-page fault may stall on memory compaction for a long time.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -71,14 +72,19 @@ def _fmt_bytes(n: int) -> str:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
+        self.rank = rank
         self.device = config.device_config.torch_device
         mc = config.model_config
         t0 = time.perf_counter()
         self.model = load_model(mc, self.device)
+        # The runner tunes the model for the device before the pool is sized from what is left.
+        self.model_runner = ModelRunner(
+            self.model, config.cache_config.block_size, self.device, mc.seed
+        )
         logger.info(
-            kv(
+            fmt_fields(
                 "model loaded",
                 model=mc.model,
                 dtype=str(mc.torch_dtype).removeprefix("torch."),
@@ -101,7 +107,7 @@ class Worker:
             name: zeroed_kv_tensor(shape, group.dtype, self.device) for name in group.layer_names
         }
         logger.info(
-            kv(
+            fmt_fields(
                 "KV cache allocated",
                 blocks=num_blocks,
                 block_size=group.block_size,
@@ -109,9 +115,7 @@ class Worker:
                 bytes=_fmt_bytes(num_blocks * self.kv_cache_config.bytes_per_block),
             )
         )
-        self.model_runner = ModelRunner(
-            self.model, self.kv_caches, group.block_size, self.device, mc.seed
-        )
+        self.model_runner.initialize_kv_caches(self.kv_caches)
         self.kv_connector: KVConnectorBase | None = None
         if config.kv_transfer_config is not None:
             connector = KVConnectorFactory.create_connector(
@@ -119,6 +123,19 @@ class Worker:
             )
             self.kv_connector = maybe_wrap(connector)
             self.model_runner.kv_driver = KVConnectorDriver(self.kv_connector, self.kv_caches)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def get_kv_connector_handshake_metadata(
+        self,
+    ) -> dict[int, KVConnectorHandshakeMetadata] | None:
+        """This worker's connector handshake data keyed by its rank, or None when there is no
+        connector or it has none (asked once, after ``register_kv_caches``)."""
+        if self.kv_connector is None:
+            return None
+        metadata = self.kv_connector.get_handshake_metadata()
+        return None if metadata is None else {self.rank: metadata}
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

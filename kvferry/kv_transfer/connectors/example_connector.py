@@ -38,9 +38,9 @@ if TYPE_CHECKING:
     from kvferry.config import EngineConfig
     from kvferry.core.kv_cache_config import KVCacheConfig
     from kvferry.core.kv_cache_manager import KVCacheBlocks
-    from kvferry.core.sched_output import SchedulerOutput
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
+    from kvferry.step_types.scheduler_output import SchedulerOutput
 
 logger = init_logger(__name__)
 

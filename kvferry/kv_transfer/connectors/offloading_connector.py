@@ -2,9 +2,10 @@
 
 On a CPU engine the tiers are a second, larger pool in host memory and, optionally, a folder
 of chunk files on disk; on CUDA the host tier is pinned memory filled by DMA on side streams.
-The protocol adapter is this facade plus ``connectors/offloading/`` (scheduler half, worker
-half, metadata); the mechanism (tiers, eviction policies, transfers, files) is
-``kvferry.kv_transfer.offload``.
+The protocol adapter is this facade plus ``connectors/offloading/`` (the shared facade base,
+scheduler half, worker half, metadata, options); the mechanism (tiers, eviction policies,
+transfers, files) is ``kvferry.kv_transfer.offload``. Copies between the engine's KV and host
+memory use the block copy the engine hands over in ``set_host_xfer_buffer_ops``.
 
 Behaviour, in protocol terms:
 
@@ -25,11 +26,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvferry.kv_transfer.base import KVConnectorRole
+from kvferry.kv_transfer.connectors.offloading.facade import OffloadConnectorBase
 from kvferry.kv_transfer.connectors.offloading.layout import resolve_layout
-from kvferry.kv_transfer.connectors.offloading.scheduler import OffloadingScheduler
-from kvferry.kv_transfer.connectors.offloading.worker import OffloadingWorker
-from kvferry.kv_transfer.offload.connector_base import OffloadConnectorBase
-from kvferry.kv_transfer.offload.options import OffloadingOptions
+from kvferry.kv_transfer.connectors.offloading.options import OffloadingOptions
+from kvferry.kv_transfer.connectors.offloading.scheduler import OffloadingConnectorScheduler
+from kvferry.kv_transfer.connectors.offloading.worker import OffloadingConnectorWorker
 from kvferry.kv_transfer.options import parse_options
 
 if TYPE_CHECKING:
@@ -48,10 +49,14 @@ class OffloadingConnector(OffloadConnectorBase):
         )
         self.layout = resolve_layout(self.options, kv_cache_config, self.facts, name)
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = OffloadingScheduler(
-                self.options, self.layout, kv_cache_config, self.facts.world_size, name
+            self.set_scheduler_half(
+                OffloadingConnectorScheduler(
+                    self.options, self.layout, kv_cache_config, self.facts.world_size, name
+                )
             )
         else:
-            self._worker = OffloadingWorker(
-                self.layout, self.options.disk_fsync, name, self.options.host_store_mode
+            self.set_worker_half(
+                OffloadingConnectorWorker(
+                    self.layout, self.options.disk_fsync, name, self.options.host_store_mode
+                )
             )

@@ -23,11 +23,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvferry.kv_transfer.base import KVConnectorRole
+from kvferry.kv_transfer.connectors.offloading.facade import OffloadConnectorBase
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
-from kvferry.kv_transfer.connectors.offloading.worker import OffloadingWorker
-from kvferry.kv_transfer.connectors.simple_cpu_offload.scheduler import SimpleCPUOffloadScheduler
-from kvferry.kv_transfer.offload.connector_base import OffloadConnectorBase
-from kvferry.kv_transfer.offload.options import SimpleCPUOffloadOptions
+from kvferry.kv_transfer.connectors.offloading.worker import OffloadingConnectorWorker
+from kvferry.kv_transfer.connectors.simple_cpu_offload.options import SimpleCPUOffloadOptions
+from kvferry.kv_transfer.connectors.simple_cpu_offload.scheduler import (
+    SimpleCPUOffloadConnectorScheduler,
+)
 from kvferry.kv_transfer.options import parse_options
 
 if TYPE_CHECKING:
@@ -55,8 +57,11 @@ class SimpleCPUOffloadConnector(OffloadConnectorBase):
             fingerprint="",
         )
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SimpleCPUOffloadScheduler(
-                self.options, self.layout, kv_cache_config, self.facts.world_size, name
+            self.set_scheduler_half(
+                SimpleCPUOffloadConnectorScheduler(
+                    self.options, self.layout, kv_cache_config, self.facts.world_size, name
+                )
             )
         else:
-            self._worker = OffloadingWorker(self.layout, False, name, self.options.host_store_mode)
+            store_mode = self.options.host_store_mode
+            self.set_worker_half(OffloadingConnectorWorker(self.layout, False, name, store_mode))

@@ -86,6 +86,10 @@ class TieredOffloadingManager(OffloadingManager):
         held = self._owners.get(owner, {})
         return ("cpu", key) in held or ("disk", key) in held
 
+    def on_host(self, key: Key) -> bool:
+        """In the host tier, complete or still being written."""
+        return key in self.host
+
     def disk_loadable(self, key: Key) -> bool:
         """On disk, complete and verified: a load may read the file straight away."""
         if self.disk is None:

@@ -19,7 +19,7 @@ from kvferry import envs
 from kvferry.kv_transfer.base import KVConnectorStats
 from kvferry.kv_transfer.offload.jobs import JobKind
 from kvferry.kv_transfer.offload.transfer import JobResult
-from kvferry.logger import init_logger, kv
+from kvferry.logger import fmt_fields, init_logger
 
 logger = init_logger(__name__)
 
@@ -97,7 +97,7 @@ class LookupStats:
         self._last_log = now
         rates = self.hit_rates()
         logger.info(
-            kv(
+            fmt_fields(
                 f"{self.name} offload",
                 lookup_tokens=self.totals["lookup_tokens"],
                 host_hit_rate=round(rates["host"], 4),

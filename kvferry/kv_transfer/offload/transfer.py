@@ -14,9 +14,14 @@ On a CUDA engine the copy thread issues its copies on its own stream into pinned
 waits for the CUDA event the worker recorded after the forward that wrote its blocks.
 
 With ``inline_stores`` (a CPU engine whose forward already uses every core) a store runs in
-:meth:`submit`, on the worker's thread right after the forward, split over the copy pool: a
-background copy there could only preempt the forward's OpenMP threads, and a preempted
-thread stalls the whole team at its next barrier.
+:meth:`submit`, on the worker's thread right after the forward, split over the copy op's
+threads: a background copy there could only preempt the forward's OpenMP threads, and a
+preempted thread stalls the whole team at its next barrier.
+
+Every copy between the engine's KV and host memory (the host tier, or a staging buffer of a
+chunk file) goes through ``copy_op``: the engine's block copy that the connector received
+through ``set_host_xfer_buffer_ops`` (:class:`~kvferry.kv_transfer.copy_ops.KVBlockCopy`
+until one is set).
 
 Completion is polled (:meth:`poll`); :meth:`wait` blocks until given jobs are done (used to
 fence engine blocks that are about to be reused while a store still reads them).
@@ -31,16 +36,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from kvferry.kv_transfer.base import CopyBlocksOp
+from kvferry.kv_transfer.copy_ops import KVBlockCopy
 from kvferry.kv_transfer.offload.disk import CorruptChunk, DiskStore
-from kvferry.kv_transfer.offload.host_buffer import (
-    BlockCopier,
-    CopyPool,
-    HostKVBuffer,
-)
+from kvferry.kv_transfer.offload.host_buffer import HostKVBuffer
 from kvferry.kv_transfer.offload.jobs import JobKind, TransferJob
 from kvferry.logger import init_logger
 
@@ -85,18 +88,15 @@ class TransferEngine:
         self.inline_stores = inline_stores
         self.background_seconds = 0.0  # copy-thread time on loads and stores (benchmarks)
         self.disk = disk
-        self._engine_layers = [kv_caches[n] for n in host.layer_names]
-        self._host_layers = [host.layers[n] for n in host.layer_names]
-        self.device = self._engine_layers[0].device
+        self._engine_kv = {n: kv_caches[n] for n in host.layer_names}
+        self._host_kv = {n: host.layers[n] for n in host.layer_names}
+        self.device = next(iter(self._engine_kv.values())).device
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._disk_stream = torch.cuda.Stream(self.device) if cuda else None
-        # Host-to-host copies are split by layer over a few threads (numpy memcpy each).
-        workers = min(4, max(1, torch.get_num_threads()))
-        self._pool = CopyPool(workers)
-        self._stagings: dict[str, tuple[list[torch.Tensor], BlockCopier]] = {}
-        self._to_host = BlockCopier(self._engine_layers, self._host_layers, self._pool)
-        self._from_host = BlockCopier(self._host_layers, self._engine_layers, self._pool)
+        self._own_copy_op = KVBlockCopy()
+        self.copy_op: CopyBlocksOp = self._own_copy_op
+        self._stagings: dict[str, dict[str, torch.Tensor]] = {}
         self._lock = threading.Condition()
         self._pending: dict[int, _Pending] = {}
         self._results: list[JobResult] = []
@@ -168,7 +168,7 @@ class TransferEngine:
         self._write_q.put(None)
         for t in self._threads:
             t.join(timeout=60)
-        self._pool.shutdown(wait=True)
+        self._own_copy_op.close()
         if self.disk is not None:
             self.disk.shutdown()
 
@@ -235,19 +235,22 @@ class TransferEngine:
             self._run(p, bodies[p.job.kind])
 
     def _copy(self, job: TransferJob, event: Any, to_host: bool) -> int:
+        direction: Literal["h2d", "d2h"]
         if to_host:
-            copier, src_ids, dst_ids = self._to_host, job.engine_blocks, job.host_blocks
+            src, dst = self._engine_kv, self._host_kv
+            src_ids, dst_ids, direction = job.engine_blocks, job.host_blocks, "d2h"
         else:
-            copier, src_ids, dst_ids = self._from_host, job.host_blocks, job.engine_blocks
+            src, dst = self._host_kv, self._engine_kv
+            src_ids, dst_ids, direction = job.host_blocks, job.engine_blocks, "h2d"
         if self._stream is None:
-            return copier.copy(src_ids, dst_ids)
-        keep: list[torch.Tensor] = []
-        with torch.cuda.stream(self._stream):
-            if event is not None:
-                self._stream.wait_event(event)
-            nbytes = copier.copy(src_ids, dst_ids, keep)
-        self._stream.synchronize()
-        return nbytes
+            self.copy_op(src, dst, src_ids, dst_ids, direction)
+        else:
+            with torch.cuda.stream(self._stream):
+                if event is not None:
+                    self._stream.wait_event(event)
+                self.copy_op(src, dst, src_ids, dst_ids, direction)
+            self._stream.synchronize()
+        return len(src_ids) * self.host.bytes_per_block
 
     def _load(self, p: _Pending) -> int:
         nbytes = 0
@@ -257,22 +260,18 @@ class TransferEngine:
             nbytes += self._load_file(key_hex, first, blocks)
         return nbytes
 
-    def _staging(self, which: str, num_blocks: int) -> tuple[list[torch.Tensor], BlockCopier]:
+    def _staging(self, which: str, num_blocks: int) -> dict[str, torch.Tensor]:
         """A chunk-sized host buffer shaped like the engine's layers, kept per disk thread
-        (``which``: "read" | "write"), with the copier between it and the engine."""
+        (``which``: "read" | "write")."""
         cached = self._stagings.get(which)
-        if cached is not None and cached[0][0].shape[1] == num_blocks:
+        if cached is not None and next(iter(cached.values())).shape[1] == num_blocks:
             return cached
-        buf = [
-            torch.empty((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype)
-            for t in self._engine_layers
-        ]
-        if which == "read":
-            copier = BlockCopier(buf, self._engine_layers, self._pool)
-        else:
-            copier = BlockCopier(self._engine_layers, buf, self._pool)
-        self._stagings[which] = (buf, copier)
-        return buf, copier
+        buf = {
+            n: torch.empty((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype)
+            for n, t in self._engine_kv.items()
+        }
+        self._stagings[which] = buf
+        return buf
 
     def _on_disk_stream(self, event: Any = None) -> Any:
         if self._disk_stream is None:
@@ -285,11 +284,12 @@ class TransferEngine:
         """Read a chunk file into a staging copy, check it, then copy the wanted blocks into
         the engine: a file that does not check out never touches the engine's KV."""
         assert self.disk is not None
-        staging, copier = self._staging("read", self.disk.payload // self.host.bytes_per_block)
-        nbytes = self.disk.read_into(key_hex, [t[k] for t in staging for k in range(t.shape[0])])
-        keep: list[torch.Tensor] = []
+        staging = self._staging("read", self.disk.payload // self.host.bytes_per_block)
+        nbytes = self.disk.read_into(key_hex, _halves(staging))
         with self._on_disk_stream():
-            copier.copy(list(range(first, first + len(blocks))), blocks, keep)
+            self.copy_op(
+                staging, self._engine_kv, list(range(first, first + len(blocks))), blocks, "h2d"
+            )
         if self._disk_stream is not None:
             self._disk_stream.synchronize()
         return nbytes
@@ -315,13 +315,13 @@ class TransferEngine:
         """Gather a chunk's engine blocks into a temporary host copy and write the file."""
         job = p.job
         assert self.disk is not None and job.disk_key is not None
-        staging, copier = self._staging("write", len(job.engine_blocks))
-        keep: list[torch.Tensor] = []
+        staging = self._staging("write", len(job.engine_blocks))
         with self._on_disk_stream(p.compute_event):
-            copier.copy(job.engine_blocks, list(range(len(job.engine_blocks))), keep)
+            n = len(job.engine_blocks)
+            self.copy_op(self._engine_kv, staging, job.engine_blocks, list(range(n)), "d2h")
         if self._disk_stream is not None:
             self._disk_stream.synchronize()
-        return self.disk.write(job.disk_key, [t[k] for t in staging for k in range(t.shape[0])])
+        return self.disk.write(job.disk_key, _halves(staging))
 
     def _verify(self, p: _Pending) -> int:
         assert self.disk is not None and p.job.disk_key is not None
@@ -335,3 +335,8 @@ class TransferEngine:
         assert self.disk is not None and p.job.disk_key is not None
         self.disk.delete(p.job.disk_key)
         return 0
+
+
+def _halves(layers: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer its keys then its values: the order a chunk file stores them."""
+    return [t[k] for t in layers.values() for k in range(t.shape[0])]

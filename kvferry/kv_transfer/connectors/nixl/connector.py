@@ -3,8 +3,9 @@
 One class for both P/D roles; which one a request plays is decided per request by its
 ``kv_transfer_params``: ``do_remote_decode`` on the prefill instance (compute the prompt, hold
 its blocks, return where to read them), ``do_remote_prefill`` on the decode instance (read the
-prompt's KV from the prefill instance, then decode). The scheduler role forwards to
-:class:`NixlConnectorScheduler`, the worker role to :class:`NixlConnectorWorker`.
+prompt's KV from the prefill instance, then decode). A :class:`SplitConnector`: the
+scheduler role forwards to :class:`NixlConnectorScheduler`, the worker role to
+:class:`NixlConnectorWorker`.
 
 One transfer, end to end::
 
@@ -48,17 +49,10 @@ works on loopback only (one warning at start-up) unless ``allow_unauthenticated`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvferry.config import ConfigError
-from kvferry.kv_transfer.base import (
-    KVConnectorBase,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorStats,
-    KVConnectorWorkerMetadata,
-)
+from kvferry.kv_transfer.base import KVConnectorMetadata, KVConnectorRole
 from kvferry.kv_transfer.connectors.nixl.auth import check_exposure, load_peer_auth
 from kvferry.kv_transfer.connectors.nixl.metadata import (
     NixlConnectorMetadata,
@@ -66,25 +60,19 @@ from kvferry.kv_transfer.connectors.nixl.metadata import (
     side_channel_address,
 )
 from kvferry.kv_transfer.connectors.nixl.scheduler import NixlConnectorScheduler
+from kvferry.kv_transfer.connectors.split import SplitConnector
 from kvferry.kv_transfer.options import parse_options
 from kvferry.logger import init_logger
 
 if TYPE_CHECKING:
-    import torch
-
     from kvferry.config import EngineConfig
     from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks
     from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
-    from kvferry.model.forward_context import ForwardContext
-    from kvferry.request import Request
-    from kvferry.step_types.kv_connector_output import KVConnectorOutput
-    from kvferry.step_types.scheduler_output import SchedulerOutput
 
 logger = init_logger(__name__)
 
 
-class NixlConnector(KVConnectorBase):
+class NixlConnector(SplitConnector[NixlConnectorScheduler, "NixlConnectorWorker"]):
     # Extra-config keys a subclass consumes itself (not NixlConnector options).
     subclass_options: tuple[str, ...] = ()
 
@@ -106,11 +94,9 @@ class NixlConnector(KVConnectorBase):
         auth = load_peer_auth(opts)
         host, _ = side_channel_address(config, opts, rank=0)
         check_exposure(host, auth, opts.allow_unauthenticated, name)
-        self.connector_scheduler: NixlConnectorScheduler | None = None
-        self.connector_worker: NixlConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlConnectorScheduler(
-                config, kv_cache_config, opts, engine_id, auth
+            self.set_scheduler_half(
+                NixlConnectorScheduler(config, kv_cache_config, opts, engine_id, auth)
             )
         else:
             if auth is None:
@@ -126,93 +112,21 @@ class NixlConnector(KVConnectorBase):
             # Imported here: the scheduler role never loads NIXL.
             from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
 
-            self.connector_worker = NixlConnectorWorker(config, kv_cache_config, opts, engine_id)
+            self.set_worker_half(NixlConnectorWorker(config, kv_cache_config, opts, engine_id))
 
     @property
-    def _sched(self) -> NixlConnectorScheduler:
-        assert self.connector_scheduler is not None, "a scheduler-side method on a worker"
-        return self.connector_scheduler
+    def connector_scheduler(self) -> NixlConnectorScheduler | None:
+        return self._scheduler_half
 
     @property
-    def _worker(self) -> NixlConnectorWorker:
-        assert self.connector_worker is not None, "a worker-side method on the scheduler"
-        return self.connector_worker
-
-    # ------------------------------------------------------------------ worker side
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+    def connector_worker(self) -> NixlConnectorWorker | None:
+        return self._worker_half
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, NixlConnectorMetadata):
             raise TypeError(f"NixlConnector got {type(metadata).__name__} as its metadata")
         super().bind_connector_metadata(metadata)
-        self._worker.bind(metadata)
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, NixlConnectorMetadata)
-        self._worker.start_load(meta, empty_step=forward_context.attn_metadata is None)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # reads complete between steps (the requests wait for them)
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return None  # readers pull from the engine's own blocks; nothing to save
-
-    def wait_for_save(self) -> None:
-        return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._worker.get_finished()
+        sending, recving = super().get_finished(finished_req_ids)
         return sending or None, recving or None
-
-    def get_failed_recving(self) -> set[str]:
-        return self._worker.get_failed_recving()
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker.take_stats() if self.connector_worker is not None else None
-
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.worker_meta()
-
-    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self._worker.handshake_metadata()
-
-    def shutdown(self) -> None:
-        if self.connector_worker is not None:
-            self.connector_worker.shutdown()
-
-    # --------------------------------------------------------------- scheduler side
-    def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
-        self._sched.validate(params)
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched.build_connector_meta()
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched.update_connector_output(connector_output)
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.request_finished(request, block_ids)
-
-    def has_pending_work(self) -> bool:
-        return self._sched.has_pending_work()
-
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        self._sched.set_handshake_metadata(metadata)

@@ -46,6 +46,7 @@ from kvferry.kv_transfer.connectors.nixl.params import (
     request_side,
     token_digest,
 )
+from kvferry.kv_transfer.connectors.split import SchedulerHalf
 from kvferry.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from kvferry.kv_transfer.connectors.nixl.auth import PeerAuth
     from kvferry.request import Request
     from kvferry.step_types.kv_connector_output import KVConnectorOutput
+    from kvferry.step_types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def _ref(remote: RemoteParams) -> RemoteRef:
     )
 
 
-class NixlConnectorScheduler:
+class NixlConnectorScheduler(SchedulerHalf):
     def __init__(
         self,
         config: EngineConfig,
@@ -98,6 +100,11 @@ class NixlConnectorScheduler:
 
     # -- where our side channel is ---------------------------------------------------------
 
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.set_handshake_metadata(metadata)
+
     def set_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         info = metadata.get(0)
         if isinstance(info, NixlHandshakeMetadata):
@@ -109,6 +116,9 @@ class NixlConnectorScheduler:
             self.address = meta.addresses[0]
 
     # -- lookups and allocation ------------------------------------------------------------
+
+    def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        self.validate(params)
 
     def validate(self, params: dict[str, Any]) -> None:
         """Intake check: a decode request's params must be well formed (and signed)."""
@@ -198,7 +208,9 @@ class NixlConnectorScheduler:
             )
         )
 
-    def build_connector_meta(self) -> NixlConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput | None = None
+    ) -> NixlConnectorMetadata:
         meta = NixlConnectorMetadata(self._recv, self._send, self._expected, self._releases)
         self._recv, self._send, self._expected, self._releases = [], [], [], []
         now = time.monotonic()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from kvferry.kv_transfer.base import KVConnectorStats
+from kvferry.kv_transfer.base import KVConnectorMetadata, KVConnectorStats
 from kvferry.kv_transfer.connectors.nixl.agent import NixlTransport
 from kvferry.kv_transfer.connectors.nixl.auth import load_peer_auth
 from kvferry.kv_transfer.connectors.nixl.handshake import (
@@ -52,10 +52,12 @@ from kvferry.kv_transfer.connectors.nixl.metadata import (
     side_channel_address,
 )
 from kvferry.kv_transfer.connectors.nixl.reader import Reader
+from kvferry.kv_transfer.connectors.split import WorkerHalf
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
     from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.model.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ _IDLE_WAIT_HOLDING_S = 0.005
 _ENDED_STATS = {"read": "sends", "released": "released_unread", "lease": "expired_leases"}
 
 
-class NixlConnectorWorker:
+class NixlConnectorWorker(WorkerHalf):
     def __init__(
         self,
         config: EngineConfig,
@@ -172,6 +174,14 @@ class NixlConnectorWorker:
         for spec in meta.reqs_to_send:
             self.leases.add(spec.req_id, spec.block_ids, spec.num_tokens, spec.token_digest)
 
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        assert isinstance(metadata, NixlConnectorMetadata)
+        self.bind(metadata)
+
+    def start_load_kv(self, metadata: KVConnectorMetadata, forward_context: ForwardContext) -> None:
+        assert isinstance(metadata, NixlConnectorMetadata)
+        self.start_load(metadata, empty_step=forward_context.attn_metadata is None)
+
     def start_load(self, meta: NixlConnectorMetadata, empty_step: bool) -> None:
         self._empty_step = empty_step
         reader = self.reader
@@ -188,7 +198,11 @@ class NixlConnectorWorker:
         with self._released_lock:
             self._released.add(req_id)
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(
+        self,
+        finished_req_ids: set[str] | None = None,
+        metadata: KVConnectorMetadata | None = None,
+    ) -> tuple[set[str], set[str]]:
         reader = self.reader
         # Answered releases first: a release of a hold here ended it before its answer was
         # sent, so both reach the scheduler in this same step.
@@ -234,10 +248,19 @@ class NixlConnectorWorker:
                         note.reader_engine_id,
                     )
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.take_stats()
+
     def take_stats(self) -> KVConnectorStats | None:
         data = {k: v for k, v in self.stats.items() if v}
         self.stats.clear()
         return KVConnectorStats({f"nixl_{k}": v for k, v in data.items()}) if data else None
+
+    def build_connector_worker_meta(self) -> NixlWorkerMeta:
+        return self.worker_meta()
+
+    def get_handshake_metadata(self) -> NixlHandshakeMetadata:
+        return self.handshake_metadata()
 
     def worker_meta(self) -> NixlWorkerMeta:
         return NixlWorkerMeta({self.rank: (self.host, self.port)})

@@ -1,13 +1,15 @@
-"""Sizes and the disk folder of an OffloadingConnector, derived the same way on both roles,
-with the disk tier's key (from the deployment secret) that names the folder and checks files."""
+"""Sizes and the disk folder of an offload connector, derived the same way on both roles,
+with the disk tier's key (from the deployment secret) that names the folder and checks files;
+and the few engine facts they are derived from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvferry.core.kv_cache_config import KVCacheConfig
-from kvferry.kv_transfer.offload.connector_base import EngineFacts
+from kvferry.kv_transfer.connectors.offloading.options import OffloadingOptions
 from kvferry.kv_transfer.offload.disk import (
     DEFAULT_READ_TIMEOUT_S,
     file_bytes,
@@ -15,8 +17,26 @@ from kvferry.kv_transfer.offload.disk import (
     model_fingerprint,
     payload_bytes,
 )
-from kvferry.kv_transfer.offload.options import OffloadingOptions
 from kvferry.kv_transfer.secret import load_deployment_secret
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    prefix_caching: bool
+    world_size: int
+    model_path: str | None
+
+
+def engine_facts(config: Any) -> EngineFacts:
+    """What the offloaders need from the engine config (tests may pass a partial one)."""
+    cache = getattr(config, "cache_config", None)
+    parallel = getattr(config, "parallel_config", None)
+    model = getattr(config, "model_config", None)
+    return EngineFacts(
+        prefix_caching=bool(getattr(cache, "enable_prefix_caching", True)),
+        world_size=int(getattr(parallel, "tensor_parallel_size", 1)),
+        model_path=getattr(model, "model", None),
+    )
 
 
 @dataclass(frozen=True)

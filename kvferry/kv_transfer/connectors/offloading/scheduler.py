@@ -1,48 +1,61 @@
 """The OffloadingConnector's scheduler half: lookups, load and store plans, fencing.
 
-Chunks: chunk ``c`` of a request is its blocks ``[c*B, (c+1)*B)``; its key is the block hash
-of its last block (chained, so it names the whole prefix up to there). Only whole chunks are
-looked up and stored.
+Chunks: chunk ``c`` of a request is its blocks ``[c * blocks_per_chunk, (c + 1) *
+blocks_per_chunk)``; its key is the block hash of its last block (chained, so it names the
+whole prefix up to there). Only whole chunks are looked up and stored.
 
 Per request there is at most one load job in flight; store jobs are one per request and step
-(the chunks that step's forward completes). A store job's source blocks are indexed in
-``_fence``: when a step reallocates one of them (the request finished or was preempted),
-the job is listed in the step's ``flush`` and the worker waits for it before the forward.
+(the chunks that step's forward completes). A store job's source blocks are fenced
+(:class:`JobBook`): when a step reallocates one of them (the request finished or was
+preempted), the job is listed in the step's ``flush`` and the worker waits for it before the
+forward.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvferry.core.kv_cache_config import KVCacheConfig
 from kvferry.core.kv_cache_manager import KVCacheBlocks
-from kvferry.core.sched_output import SchedulerOutput
 from kvferry.kv_transfer.base import KVConnectorStats
+from kvferry.kv_transfer.connectors.offloading.job_book import JobBook
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
 from kvferry.kv_transfer.connectors.offloading.metadata import OffloadingConnectorMetadata
+from kvferry.kv_transfer.connectors.offloading.options import OffloadingOptions
+from kvferry.kv_transfer.connectors.offloading.plans import ChunkTransfer, RequestTransfer
 from kvferry.kv_transfer.connectors.offloading.state import (
     JobRecord,
-    Part,
-    ReqState,
+    Lookup,
+    OffloadRequest,
     restore_disk_index,
 )
-from kvferry.kv_transfer.offload.connector_base import SchedulerHalf
-from kvferry.kv_transfer.offload.jobs import JobCounter, JobKind, OffloadWorkerMetadata, TransferJob
+from kvferry.kv_transfer.connectors.offloading.worker_metadata import OffloadWorkerMetadata
+from kvferry.kv_transfer.connectors.split import SchedulerHalf
+from kvferry.kv_transfer.offload.jobs import JobKind, TransferJob
 from kvferry.kv_transfer.offload.manager import LookupStatus, TieredOffloadingManager
-from kvferry.kv_transfer.offload.options import OffloadingOptions
 from kvferry.kv_transfer.offload.policies import Key, policy_class
 from kvferry.kv_transfer.offload.stats import LookupStats
 from kvferry.kv_transfer.offload.tier import TierIndex
-from kvferry.kv_transfer.output import KVConnectorOutput
-from kvferry.logger import init_logger
 from kvferry.request import Request
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
+from kvferry.step_types.scheduler_output import SchedulerOutput
 
-logger = init_logger(__name__)
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-class OffloadingScheduler(SchedulerHalf):
+@dataclass
+class ScheduledRequest:
+    """A request this step computes, and how many of its tokens were computed before."""
+
+    record: OffloadRequest
+    num_computed_tokens: int
+
+
+class OffloadingConnectorScheduler(SchedulerHalf):
     # One load job and one store job per step for all requests (SimpleCPUOffloadConnector's
     # "events"), instead of one per request.
     one_job_per_step = False
@@ -57,267 +70,255 @@ class OffloadingScheduler(SchedulerHalf):
     ) -> None:
         self.opts = opts
         self.layout = layout
-        self.bs = layout.block_size
-        self.B = layout.blocks_per_chunk
+        self.block_size = layout.block_size
+        self.blocks_per_chunk = layout.blocks_per_chunk
         self.stats = LookupStats(name)
-        n_host = layout.num_host_chunks
-        host = TierIndex("cpu", n_host, policy_class(opts.eviction_policy)(n_host))
+        num_host = layout.num_host_chunks
+        host = TierIndex("cpu", num_host, policy_class(opts.eviction_policy)(num_host))
         disk = None
         if layout.disk_folder is not None:
-            n = layout.num_disk_chunks
-            disk = TierIndex("disk", n, policy_class(opts.disk_eviction_policy)(n), False)
+            num_disk = layout.num_disk_chunks
+            disk_policy = policy_class(opts.disk_eviction_policy)(num_disk)
+            disk = TierIndex("disk", num_disk, disk_policy, False)
         self.mgr = TieredOffloadingManager(
             host, disk, self.stats, opts.store_threshold, opts.max_tracker_size
         )
-        self._reqs: dict[str, ReqState] = {}
-        self._jobs: dict[int, JobRecord] = {}
-        self._counter = JobCounter(world_size)
-        self._ids = itertools.count()
-        self._fence: dict[int, set[int]] = {}  # engine block -> store jobs reading it
-        self._lookups: dict[str, tuple[int, list[Key]]] = {}  # req -> (local tokens, hit keys)
-        # request id -> monotonic time of its first deferred lookup
-        self._deferred_since: dict[str, float] = {}
-        self._failed_loads: set[str] = set()
-        self._step_loads: list[Part] = []
+        self._requests: dict[str, OffloadRequest] = {}
+        self._jobs = JobBook(world_size, self._host_blocks)
+        # The step being planned: loads of the requests allocated so far, and the engine
+        # blocks allocated (any store still reading one of them is flushed first).
+        self._step_loads: list[RequestTransfer] = []
         self._step_allocated: set[int] = set()
-        self._last_stores: list[int] = []
-        self._step_disk: list[TransferJob] = []
+        # Jobs of the last planned step that read engine blocks (tainted by a bad load).
+        self._last_step_readers: list[int] = []
         if disk is not None:
             restore_disk_index(layout, disk, self.mgr)
 
-    def _key(self, request: Request, chunk: int) -> Key:
-        return request.block_hashes[(chunk + 1) * self.B - 1]
+    def _chunk_key(self, request: Request, chunk: int) -> Key:
+        return request.block_hashes[(chunk + 1) * self.blocks_per_chunk - 1]
 
-    def _new_job(self, kind: JobKind, keys: list[Key], blocks: list[int] | None = None) -> int:
-        job_id = next(self._ids)
-        self._jobs[job_id] = JobRecord(kind, keys, blocks or [])
-        return job_id
+    def _engine_blocks(self, record: OffloadRequest, chunk: int) -> list[int]:
+        per_chunk = self.blocks_per_chunk
+        return record.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+
+    def _host_blocks(self, slot: int) -> list[int]:
+        return list(range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk))
 
     # -- lookup ---------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        rid, ct = request.request_id, self.layout.chunk_tokens
-        if rid in self._failed_loads:
-            # Its load failed once: recompute rather than offer the same chunks again (a
-            # chunk that keeps failing would otherwise loop lookup -> fail -> rewind).
-            self._lookups[rid] = (num_computed_tokens, [])
+        req_id, chunk_tokens = request.request_id, self.layout.chunk_tokens
+        record = self._requests.setdefault(req_id, OffloadRequest(request))
+        if record.load_failed:
+            # Recompute rather than offer the same chunks again (a chunk that keeps failing
+            # would otherwise loop lookup -> fail -> rewind).
+            record.lookup = Lookup(num_computed_tokens, [])
             return 0, False
-        old = self.mgr.take_holds(rid)  # dropped after the new holds are taken
-        self._lookups.pop(rid, None)
-        first = num_computed_tokens // ct
-        last = min((request.num_tokens - 1) // ct, len(request.block_hashes) // self.B)
-        hits: list[tuple[Key, str]] = []  # the leading run of loadable chunks, and where
-        waiting, in_prefix = False, True
-        for c in range(first, last):
-            key = self._key(request, c)
+        old_holds = self.mgr.take_holds(req_id)  # dropped after the new holds are taken
+        record.lookup = None
+        first = num_computed_tokens // chunk_tokens
+        last = min(
+            (request.num_tokens - 1) // chunk_tokens,
+            len(request.block_hashes) // self.blocks_per_chunk,
+        )
+        hits, waiting = self._scan(request, first, last, old_holds)
+        for key, tier in hits:
+            self.mgr.pin(req_id, key, tier)
+        self.mgr.drop_holds(old_holds)
+        if waiting:
+            if record.deferred_since is None:
+                record.deferred_since = time.monotonic()
+            if time.monotonic() - record.deferred_since < self.opts.max_lookup_wait_s:
+                return None, False
+        num_tokens = (first + len(hits)) * chunk_tokens - num_computed_tokens
+        keys = [key for key, _ in hits] if num_tokens > 0 else []
+        record.lookup = Lookup(num_computed_tokens, keys)
+        if num_tokens <= 0:
+            self.mgr.release(req_id)
+            return 0, False
+        return num_tokens, True
+
+    def _scan(
+        self, request: Request, first: int, last: int, old_holds: dict[tuple[str, Key], int]
+    ) -> tuple[list[tuple[Key, str]], bool]:
+        """The leading run of loadable chunks in ``[first, last)`` with the tier each is read
+        from ("cpu" or "disk"), and whether a chunk after it is on its way (being written,
+        or a file being checked or copied to the host for this request)."""
+        req_id = request.request_id
+        hits: list[tuple[Key, str]] = []
+        waiting, in_leading_run = False, True
+        for chunk in range(first, last):
+            key = self._chunk_key(request, chunk)
             status = self.mgr.lookup(key)
             if status is LookupStatus.MISS:
                 break
             if status is LookupStatus.HIT or (
                 status is LookupStatus.RETRY and self.mgr.disk_loadable(key)
             ):
-                if in_prefix:
+                if in_leading_run:
                     hits.append((key, "cpu" if status is LookupStatus.HIT else "disk"))
                 continue
-            in_prefix = False
+            in_leading_run = False
             if status is LookupStatus.PENDING:
                 waiting = True
-                if ("cpu", key) in old:  # keep holding a chunk being promoted for us
-                    self.mgr.pin(rid, key)
-            elif self.mgr.prefetch(rid, key) or self.mgr.request_verify(key):
+                if ("cpu", key) in old_holds:  # keep holding a chunk being promoted for us
+                    self.mgr.pin(req_id, key)
+            elif self.mgr.prefetch(req_id, key) or self.mgr.request_verify(key):
                 waiting = True  # a file not checked yet: through the host if there is room
             else:
                 break
-        for key, tier in hits:
-            self.mgr.pin(rid, key, tier)
-        self.mgr.drop_holds(old)
-        keys = [key for key, _ in hits]
-        if waiting:
-            since = self._deferred_since.setdefault(rid, time.monotonic())
-            if time.monotonic() - since < self.opts.max_lookup_wait_s:
-                return None, False
-        n = (first + len(hits)) * ct - num_computed_tokens
-        self._lookups[rid] = (num_computed_tokens, keys if n > 0 else [])
-        if n <= 0:
-            self.mgr.release(rid)
-            return 0, False
-        return n, True
+        return hits, waiting
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        rid = request.request_id
-        state = self._reqs.setdefault(rid, ReqState(request))
-        state.request = request
-        state.block_ids = list(blocks.get_block_ids()[0])
-        lookup = self._lookups.pop(rid, None)
-        self._deferred_since.pop(rid, None)
+        req_id = request.request_id
+        record = self._requests.setdefault(req_id, OffloadRequest(request))
+        record.request = request
+        record.allocated = True
+        record.block_ids = list(blocks.get_block_ids()[0])
+        lookup, record.lookup = record.lookup, None
+        record.deferred_since = None
         if lookup is None:
-            self.mgr.release(rid)
+            self.mgr.release(req_id)
             return  # the second call after an async load, or a resumed request
-        num_local, keys = lookup
+        num_local = lookup.num_local_tokens
         self.stats.add("lookup_tokens", request.num_tokens - num_local)
         # Blocks after the local hit were allocated now: fence them against pending stores.
-        self._step_allocated.update(state.block_ids[num_local // self.bs :])
+        self._step_allocated.update(record.block_ids[num_local // self.block_size :])
         if num_external_tokens > 0:
-            self._plan_load(state, num_local, num_external_tokens, keys)
-        self.mgr.release(rid)  # the load took its own pins
+            self._plan_load(record, lookup, num_external_tokens)
+        self.mgr.release(req_id)  # the load took its own pins
 
-    def _plan_load(
-        self, state: ReqState, num_local: int, num_external: int, keys: list[Key]
-    ) -> None:
+    def _plan_load(self, record: OffloadRequest, lookup: Lookup, num_external: int) -> None:
+        per_chunk, block_size = self.blocks_per_chunk, self.block_size
+        num_local = lookup.num_local_tokens
         first_chunk = num_local // self.layout.chunk_tokens
-        start = num_local // self.bs
-        end = min(-(-(num_local + num_external) // self.bs), (first_chunk + len(keys)) * self.B)
-        num_chunks = -(-end // self.B) - first_chunk
-        load_keys = keys[:num_chunks]
-        slots = self.mgr.prepare_load(load_keys)
-        part = Part(state.request.request_id, [], [], load_keys, slots=slots)
-        for i, (key, slot) in enumerate(zip(load_keys, slots, strict=True)):
-            c = first_chunk + i
-            lo, hi = max(start, c * self.B), min(end, (c + 1) * self.B)
+        start = num_local // block_size
+        end = min(
+            _cdiv(num_local + num_external, block_size),
+            (first_chunk + len(lookup.keys)) * per_chunk,
+        )
+        keys = lookup.keys[: _cdiv(end, per_chunk) - first_chunk]
+        slots = self.mgr.prepare_load(keys)
+        load = RequestTransfer(record.request.request_id)
+        for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
+            chunk_start = (first_chunk + i) * per_chunk
+            lo, hi = max(start, chunk_start), min(end, chunk_start + per_chunk)
+            engine_blocks = record.block_ids[lo:hi]
             if slot is None:  # straight from the file
-                part.disk_loads.append((key.hex(), lo - c * self.B, state.block_ids[lo:hi]))
+                load.chunks.append(ChunkTransfer(key, engine_blocks, None, [], lo - chunk_start))
             else:
-                part.engine += state.block_ids[lo:hi]
-                part.host += [slot * self.B + b - c * self.B for b in range(lo, hi)]
+                host_start = slot * per_chunk - chunk_start
+                host_blocks = [host_start + block for block in range(lo, hi)]
+                load.chunks.append(ChunkTransfer(key, engine_blocks, slot, host_blocks))
             from_disk = slot is None or self.mgr.came_from_disk(key)
-            self.stats.add(
-                "hit_tokens_disk" if from_disk else "hit_tokens_host", (hi - lo) * self.bs
-            )
-        self._step_loads.append(part)
+            tier = "hit_tokens_disk" if from_disk else "hit_tokens_host"
+            self.stats.add(tier, (hi - lo) * block_size)
+        self._step_loads.append(load)
 
     # -- the step's plan ------------------------------------------------------------------
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> OffloadingConnectorMetadata:
-        so = scheduler_output
-        allocated = self._step_allocated
-        progress: list[tuple[ReqState, int]] = []
-        for new in so.scheduled_new_reqs:
-            state = self._reqs.get(new.req_id)
-            if state is None:
-                continue
-            state.block_ids, state.next_chunk = list(new.block_ids[0]), 0
-            allocated.update(state.block_ids[new.num_computed_tokens // self.bs :])
-            progress.append((state, new.num_computed_tokens))
-        cached = so.scheduled_cached_reqs
-        for rid, new_blocks, computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
-            state = self._reqs.get(rid)
-            if state is None:
-                continue
-            if new_blocks is not None:
-                state.block_ids.extend(new_blocks[0])
-                allocated.update(new_blocks[0])
-            progress.append((state, computed))
-        meta = self._new_meta(so)
-        meta.flush = sorted({j for b in allocated for j in self._fence.get(b, ())})
-        meta.loads = self._package(JobKind.LOAD, self._step_loads)
-        meta.stores = self._package(JobKind.STORE, self._plan_stores(progress, so))
-        for job in meta.stores + self._step_disk:
-            for block in job.engine_blocks:  # only jobs that read engine blocks have any
-                self._fence.setdefault(block, set()).add(job.job_id)
+        scheduled = self._follow_block_tables(scheduler_output)
+        meta = self._new_meta(scheduler_output)
+        meta.flush = self._jobs.readers_of(self._step_allocated)
+        one_job = self.one_job_per_step
+        meta.loads, _ = self._jobs.package(JobKind.LOAD, self._step_loads, one_job)
+        stores = self._plan_stores(scheduled, scheduler_output)
+        meta.stores, store_disk_jobs = self._jobs.package(JobKind.STORE, stores, one_job)
+        self._jobs.fence(meta.stores + store_disk_jobs)
         # Disk order matters (one thread, FIFO): deletions first (they name files of earlier
         # steps, and this step may write the same key again), then writes, then promotions.
         ops = self.mgr.take_disk_ops()
         for key in ops.deletes:  # fire and forget
-            job_id = next(self._ids)
-            meta.disk_jobs.append(TransferJob(job_id, JobKind.DISK_DELETE, disk_key=key.hex()))
-        meta.disk_jobs += self._step_disk
-        self._step_disk = []
+            delete = TransferJob(self._jobs.next_id(), JobKind.DISK_DELETE, disk_key=key.hex())
+            meta.disk_jobs.append(delete)
+        meta.disk_jobs += store_disk_jobs
         for key, slot in ops.promotions:
-            job_id = self._new_job(JobKind.PROMOTE, [key])
-            host = list(range(slot * self.B, (slot + 1) * self.B))
-            meta.disk_jobs.append(TransferJob(job_id, JobKind.PROMOTE, [], host, key.hex()))
+            job_id = self._jobs.new(JobKind.PROMOTE, [key])
+            host_blocks = self._host_blocks(slot)
+            meta.disk_jobs.append(TransferJob(job_id, JobKind.PROMOTE, [], host_blocks, key.hex()))
         for key in ops.verifies:
-            job_id = self._new_job(JobKind.VERIFY, [key])
+            job_id = self._jobs.new(JobKind.VERIFY, [key])
             meta.disk_jobs.append(TransferJob(job_id, JobKind.VERIFY, disk_key=key.hex()))
-        self._last_stores = [j.job_id for j in meta.stores + meta.disk_jobs if j.engine_blocks]
+        readers = meta.stores + meta.disk_jobs
+        self._last_step_readers = [job.job_id for job in readers if job.engine_blocks]
         self._step_loads, self._step_allocated = [], set()
         return meta
 
-    def _new_meta(self, so: SchedulerOutput) -> OffloadingConnectorMetadata:
-        return OffloadingConnectorMetadata(idle=so.is_empty)
-
-    def _package(self, kind: JobKind, parts: list[Part]) -> list[TransferJob]:
-        """Turn the step's parts into jobs (one per request, or one for all) and record
-        them; stores also get their disk writes, queued to run after them."""
-        if self.one_job_per_step and len(parts) > 1:
-            merged = Part("", [], [], [])
-            for part in parts:
-                merged.engine += part.engine
-                merged.host += part.host
-                merged.keys += part.keys
-                merged.disk += part.disk
-                merged.direct += part.direct
-                merged.slots += part.slots
-                merged.disk_loads += part.disk_loads
-            groups = [(merged, [p.req_id for p in parts])]
-        else:
-            groups = [(p, [p.req_id]) for p in parts]
-        jobs = []
-        for part, req_ids in groups:
-            for key, blocks in part.direct:
-                direct_id = self._new_job(JobKind.DISK_STORE, [key], blocks)
-                self._step_disk.append(
-                    TransferJob(direct_id, JobKind.DISK_STORE, blocks, [], key.hex())
-                )
-            if not part.keys:
+    def _follow_block_tables(self, scheduler_output: SchedulerOutput) -> list[ScheduledRequest]:
+        """Update the block tables of this step's requests (new blocks are fenced)."""
+        scheduled: list[ScheduledRequest] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            record = self._requests.get(new.req_id)
+            if record is None or not record.allocated:
                 continue
-            job_id = self._new_job(kind, part.keys, part.engine if kind == JobKind.STORE else [])
-            self._jobs[job_id].slots = part.slots
-            load_reqs = req_ids if kind == JobKind.LOAD else []
-            job = TransferJob(job_id, kind, part.engine, part.host, req_ids=load_reqs)
-            job.disk_loads = part.disk_loads
-            jobs.append(job)
-            for key, slot in part.disk:
-                write_id = self._new_job(JobKind.DISK_WRITE, [key])
-                host = list(range(slot * self.B, (slot + 1) * self.B))
-                self._step_disk.append(
-                    TransferJob(write_id, JobKind.DISK_WRITE, [], host, key.hex(), after=job_id)
-                )
-        return jobs
+            record.block_ids, record.next_chunk = list(new.block_ids[0]), 0
+            num_computed = new.num_computed_tokens
+            self._step_allocated.update(record.block_ids[num_computed // self.block_size :])
+            scheduled.append(ScheduledRequest(record, num_computed))
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            record = self._requests.get(req_id)
+            if record is None or not record.allocated:
+                continue
+            if new_blocks is not None:
+                record.block_ids.extend(new_blocks[0])
+                self._step_allocated.update(new_blocks[0])
+            scheduled.append(ScheduledRequest(record, num_computed))
+        return scheduled
 
-    def _plan_stores(self, progress: list[tuple[ReqState, int]], so: SchedulerOutput) -> list[Part]:
+    def _new_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
+        return OffloadingConnectorMetadata(idle=scheduler_output.is_empty)
+
+    def _plan_stores(
+        self, scheduled: list[ScheduledRequest], scheduler_output: SchedulerOutput
+    ) -> list[RequestTransfer]:
         """Eager stores: the chunks each scheduled request's forward completes this step."""
-        parts = []
-        for state, computed in progress:
-            end = computed + so.num_scheduled_tokens.get(state.request.request_id, 0)
-            part = self._plan_request_store(state, end)
-            if part is not None:
-                parts.append(part)
-        return parts
+        stores = []
+        for item in scheduled:
+            req_id = item.record.request.request_id
+            end = item.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            store = self._plan_request_store(item.record, end)
+            if store is not None:
+                stores.append(store)
+        return stores
 
-    def _plan_request_store(self, state: ReqState, end_tokens: int) -> Part | None:
-        request = state.request
+    def _plan_request_store(
+        self, record: OffloadRequest, end_tokens: int
+    ) -> RequestTransfer | None:
+        request = record.request
         if self.opts.offload_prompt_only:
             end_tokens = min(end_tokens, request.num_prompt_tokens)
-        full = min(end_tokens // self.layout.chunk_tokens, len(request.block_hashes) // self.B)
-        if full <= state.next_chunk:
+        num_full = min(
+            end_tokens // self.layout.chunk_tokens,
+            len(request.block_hashes) // self.blocks_per_chunk,
+        )
+        if num_full <= record.next_chunk:
             return None
-        first = state.next_chunk
-        state.next_chunk = full
-        keys = [self._key(request, c) for c in range(first, full)]
+        first = record.next_chunk
+        record.next_chunk = num_full
+        keys = [self._chunk_key(request, chunk) for chunk in range(first, num_full)]
         plan = self.mgr.prepare_store(keys)
         if not plan.keys and not plan.disk_only:
             return None
-        index = {k: first + i for i, k in enumerate(keys)}
-        part = Part(request.request_id, [], [], plan.keys)
+        chunk_of = {key: first + i for i, key in enumerate(keys)}
+        store = RequestTransfer(request.request_id)
         for key in plan.disk_only:
-            c = index[key]
-            part.direct.append((key, state.block_ids[c * self.B : (c + 1) * self.B]))
+            store.disk_only.append((key, self._engine_blocks(record, chunk_of[key])))
         for key, slot in zip(plan.keys, plan.slots, strict=True):
-            c = index[key]
-            part.engine.extend(state.block_ids[c * self.B : (c + 1) * self.B])
-            part.host.extend(range(slot * self.B, (slot + 1) * self.B))
+            engine_blocks = self._engine_blocks(record, chunk_of[key])
+            store.chunks.append(ChunkTransfer(key, engine_blocks, slot, self._host_blocks(slot)))
         slot_of = dict(zip(plan.keys, plan.slots, strict=True))
-        part.disk = [(key, slot_of[key]) for key in plan.disk_keys]
-        return part
+        store.write_through = [(key, slot_of[key]) for key in plan.disk_keys]
+        return store
 
     # -- completions ----------------------------------------------------------------------
 
@@ -325,63 +326,55 @@ class OffloadingScheduler(SchedulerHalf):
         if connector_output.invalid_block_ids:
             # Some sync load (another connector's) was bad: this step's forward may have
             # computed on it, so nothing it wrote is published.
-            for job_id in self._last_stores:  # engine-block readers of the last step
-                if job_id in self._jobs:
-                    self._jobs[job_id].tainted = True
-        self._failed_loads |= connector_output.failed_recving & set(self._reqs)
+            self._jobs.taint(self._last_step_readers)
+        for req_id in connector_output.failed_recving:
+            record = self._requests.get(req_id)
+            if record is not None and record.allocated:
+                record.load_failed = True
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, OffloadWorkerMetadata):
             return
-        for job_id, ok in self._counter.add(meta):
-            job = self._jobs.pop(job_id, None)
-            if job is None:
-                continue
-            if job.kind == JobKind.LOAD:
-                self.mgr.complete_load(job.keys, job.slots, ok)
-            elif job.kind in (JobKind.STORE, JobKind.DISK_STORE):
-                if job.kind == JobKind.STORE:
-                    self.mgr.complete_store(job.keys, ok and not job.tainted)
-                else:
-                    self.mgr.complete_disk_write(job.keys[0], ok and not job.tainted)
-                for block in job.engine_blocks:
-                    jobs = self._fence.get(block)
-                    if jobs is not None:
-                        jobs.discard(job_id)
-                        if not jobs:
-                            del self._fence[block]
-            elif job.kind == JobKind.DISK_WRITE:
-                self.mgr.complete_disk_write(job.keys[0], ok)
-            elif job.kind == JobKind.PROMOTE:
-                self.mgr.complete_promote(job.keys[0], ok)
-            elif job.kind == JobKind.VERIFY:
-                self.mgr.complete_verify(job.keys[0], ok)
+        for job, ok in self._jobs.take_done(meta):
+            self._complete(job, ok)
 
-    def request_finished(self, request: Request) -> None:
-        rid = request.request_id
-        self._reqs.pop(rid, None)
-        self._lookups.pop(rid, None)
-        self._deferred_since.pop(rid, None)
-        self._failed_loads.discard(rid)
-        self.mgr.release(rid)
+    def _complete(self, job: JobRecord, ok: bool) -> None:
+        """Publish (or drop) what a job that every worker finished wrote."""
+        if job.kind == JobKind.LOAD:
+            self.mgr.complete_load(job.keys, job.slots, ok)
+        elif job.kind == JobKind.STORE:
+            self.mgr.complete_store(job.keys, ok and not job.tainted)
+        elif job.kind == JobKind.DISK_STORE:
+            self.mgr.complete_disk_write(job.keys[0], ok and not job.tainted)
+        elif job.kind == JobKind.DISK_WRITE:
+            self.mgr.complete_disk_write(job.keys[0], ok)
+        elif job.kind == JobKind.PROMOTE:
+            self.mgr.complete_promote(job.keys[0], ok)
+        elif job.kind == JobKind.VERIFY:
+            self.mgr.complete_verify(job.keys[0], ok)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self.mgr.release(request.request_id)
+        return False, None
 
     def take_events(self) -> list[dict[str, Any]]:
         return self.mgr.take_events()
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or self.mgr.has_queued_ops()
+        return bool(self._jobs.jobs) or self.mgr.has_queued_ops()
 
-    def take_stats(self) -> KVConnectorStats | None:
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self.stats.take()
 
     def reset_cache(self) -> bool:
-        return self.mgr.reset() and not self._jobs
+        return self.mgr.reset() and not self._jobs.jobs
 
     def check_integrity(self, idle: bool = False) -> None:
+        """Assert the offload pool's invariants; ``idle``: also that nothing is in flight,
+        pinned or held (the end of a lifecycle test, once the engine stopped stepping)."""
         self.mgr.check_integrity(idle)
-        fenced = {j for jobs in self._fence.values() for j in jobs}
-        assert fenced <= set(self._jobs), "a fence names a job that is done"
+        self._jobs.check_integrity(idle)
         if idle:
-            assert not self._jobs, f"jobs in flight: {sorted(self._jobs)}"
-            assert not self._fence and not self._reqs and not self._lookups
-            assert not self._failed_loads and not self._deferred_since
-            assert len(self._counter) == 0, "partial job reports left"
+            assert not self._requests, f"requests left: {sorted(self._requests)}"

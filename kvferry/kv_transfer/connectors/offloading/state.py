@@ -1,5 +1,5 @@
-"""Bookkeeping records of the OffloadingConnector's scheduler half, and the disk index
-restore that a new engine runs on a folder an earlier one filled."""
+"""Bookkeeping records of the offload connectors' scheduler half, and the disk index restore
+that a new engine runs on a folder an earlier one filled."""
 
 from __future__ import annotations
 
@@ -11,43 +11,47 @@ from kvferry.kv_transfer.offload.jobs import JobKind
 from kvferry.kv_transfer.offload.manager import TieredOffloadingManager
 from kvferry.kv_transfer.offload.policies import Key
 from kvferry.kv_transfer.offload.tier import TierIndex
-from kvferry.logger import init_logger, kv
+from kvferry.logger import fmt_fields, init_logger
 from kvferry.request import Request
 
 logger = init_logger(__name__)
 
 
 @dataclass
-class ReqState:
-    request: Request
-    block_ids: list[int] = field(default_factory=list)
-    next_chunk: int = 0  # chunks below this were offered for storing already
+class Lookup:
+    """A lookup's answer, kept until the request's allocation: the local hit it followed and
+    the chunks it offered (pinned for the request meanwhile)."""
+
+    num_local_tokens: int
+    keys: list[Key]
 
 
 @dataclass
-class Part:
-    """One request's share of a load or store: block pairs and the chunk keys they cover;
-    for stores also the keys written to disk from the host (with their host slots) and the
-    keys written to disk straight from the engine (with their engine blocks)."""
+class OffloadRequest:
+    """What the scheduler half knows of one request, from its first lookup to its end."""
 
-    req_id: str
-    engine: list[int]
-    host: list[int]
-    keys: list[Key]
-    disk: list[tuple[Key, int]] = field(default_factory=list)
-    direct: list[tuple[Key, list[int]]] = field(default_factory=list)
-    # Loads: where each key is read from (host slot, or None: its file) and the file reads.
-    slots: list[int | None] = field(default_factory=list)
-    disk_loads: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    request: Request
+    # Set by the first allocation; from then on the request holds ``block_ids`` (its table).
+    allocated: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    next_chunk: int = 0  # chunks below this were offered for storing already
+    lookup: Lookup | None = None
+    deferred_since: float | None = None  # monotonic time of the first lookup that waited
+    # Its load failed once: later lookups offer nothing, so the request recomputes.
+    load_failed: bool = False
 
 
 @dataclass
 class JobRecord:
+    """A job in flight: its chunk keys, the engine blocks it reads (stores, fenced until it
+    is done) and, for loads, where each key is read from (host slot, or None: its file).
+    ``tainted``: a store that may have read bad KV, dropped instead of published."""
+
     kind: JobKind
     keys: list[Key]
     engine_blocks: list[int] = field(default_factory=list)
+    slots: list[int | None] = field(default_factory=list)
     tainted: bool = False
-    slots: list[int | None] = field(default_factory=list)  # loads: see Part.slots
 
 
 def restore_disk_index(
@@ -64,7 +68,7 @@ def restore_disk_index(
     mgr.forget_files(excess + bad)
     if good or bad:
         logger.info(
-            kv(
+            fmt_fields(
                 "offload disk tier restored",
                 folder=str(layout.disk_folder),
                 chunks=len(disk),

@@ -1,15 +1,20 @@
-"""The OffloadingConnector's worker half: runs the jobs the scheduler half planned."""
+"""The offload connectors' worker half: runs the jobs the scheduler half planned."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvferry.kv_transfer.base import KVConnectorMetadata, KVConnectorStats
+from kvferry.kv_transfer.base import CopyBlocksOp, KVConnectorMetadata, KVConnectorStats
+from kvferry.kv_transfer.connectors.offloading.job_runner import OffloadJobRunner
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
 from kvferry.kv_transfer.connectors.offloading.metadata import OffloadingConnectorMetadata
-from kvferry.kv_transfer.offload.connector_base import WorkerHalf
-from kvferry.kv_transfer.offload.jobs import OffloadWorkerMetadata
-from kvferry.kv_transfer.offload.worker_core import OffloadWorker
+from kvferry.kv_transfer.connectors.offloading.worker_metadata import OffloadWorkerMetadata
+from kvferry.kv_transfer.connectors.split import WorkerHalf
+
+if TYPE_CHECKING:
+    from kvferry.model.forward_context import ForwardContext
 
 
 def _meta(metadata: KVConnectorMetadata | None) -> OffloadingConnectorMetadata | None:
@@ -17,11 +22,15 @@ def _meta(metadata: KVConnectorMetadata | None) -> OffloadingConnectorMetadata |
     return metadata
 
 
-class OffloadingWorker(WorkerHalf):
+class OffloadingConnectorWorker(WorkerHalf):
+    """Loads start as soon as the step's plan is bound; stores and disk jobs are submitted
+    after the forward (they read what it wrote); whole blocks only, so the per-layer hooks
+    do nothing."""
+
     def __init__(
         self, layout: OffloadLayout, fsync: bool, name: str, store_mode: str = "auto"
     ) -> None:
-        self.core = OffloadWorker(
+        self.core = OffloadJobRunner(
             name,
             layout.num_host_chunks * layout.blocks_per_chunk,
             layout.disk_folder,
@@ -36,12 +45,15 @@ class OffloadingWorker(WorkerHalf):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.core.register(kv_caches)
 
+    def set_host_xfer_buffer_ops(self, copy_op: CopyBlocksOp) -> None:
+        self.core.set_copy_op(copy_op)
+
     def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
         meta = _meta(metadata)
         if meta is not None and meta.flush:
             self.core.flush(meta.flush)
 
-    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+    def start_load_kv(self, metadata: KVConnectorMetadata, forward_context: ForwardContext) -> None:
         meta = _meta(metadata)
         assert meta is not None
         self.core.submit(meta.loads)
@@ -54,18 +66,20 @@ class OffloadingWorker(WorkerHalf):
         self.core.submit(meta.stores, after_compute=True)
         self.core.submit(meta.disk_jobs, after_compute=True)
 
-    def get_finished(self, metadata: KVConnectorMetadata | None) -> set[str]:
+    def get_finished(
+        self, finished_req_ids: set[str], metadata: KVConnectorMetadata | None
+    ) -> tuple[set[str] | None, set[str] | None]:
         meta = _meta(metadata)
         self.core.collect(idle=meta is not None and meta.idle)
-        return self.core.take_recving()
+        return None, self.core.take_recving() or None
 
     def get_failed_recving(self) -> set[str]:
         return self.core.take_failed_recving()
 
-    def build_worker_meta(self) -> OffloadWorkerMetadata | None:
+    def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         return self.core.take_worker_meta()
 
-    def take_stats(self) -> KVConnectorStats | None:
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self.core.take_stats()
 
     def shutdown(self) -> None:

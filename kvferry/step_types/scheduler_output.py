@@ -1,15 +1,21 @@
 """SchedulerOutput: the plan for one engine step, sent from the scheduler to the workers.
 
 Plain data only; no Request objects cross this boundary, so workers could live in another
-process.
+process. The ``from_request(s)`` builders copy what the workers need out of the scheduler's
+requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvferry.sampling_params import SamplingParams
+from kvferry.step_types.kv_connector_metadata import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from kvferry.request import Request
 
 
 @dataclass
@@ -27,6 +33,17 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
+        return cls(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
 
 
 @dataclass
@@ -46,6 +63,17 @@ class CachedRequestData:
     # Output tokens the scheduler holds for each request (same order as req_ids).
     num_output_tokens: list[int] = field(default_factory=list)
 
+    @classmethod
+    def from_requests(
+        cls, requests: Sequence[Request], new_block_ids: list[tuple[list[int], ...] | None]
+    ) -> CachedRequestData:
+        return cls(
+            req_ids=[r.request_id for r in requests],
+            new_block_ids=new_block_ids,
+            num_computed_tokens=[r.num_computed_tokens for r in requests],
+            num_output_tokens=[r.num_output_tokens for r in requests],
+        )
+
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
@@ -64,8 +92,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # True when a request in this step has a synchronous external KV load.
     has_sync_kv_loads: bool = False
-    # Opaque plan built by the scheduler-side KV connector (None without a connector).
-    kv_connector_metadata: Any | None = None
+    # The step's plan built by the scheduler-side KV connector (None without a connector).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:

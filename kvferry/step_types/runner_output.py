@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.kv_transfer.output import KVConnectorOutput
+from kvferry.step_types.kv_connector_output import KVConnectorOutput
 
 # token id -> logprob; the sampled token is always present.
 TokenLogprobs = dict[int, float]
@@ -22,6 +22,3 @@ class ModelRunnerOutput:
     # Requests the worker could not continue this step (e.g. sampling found no valid
     # distribution), with why; they sampled nothing and the scheduler ends them with an error.
     failed: dict[str, str] = field(default_factory=dict)
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

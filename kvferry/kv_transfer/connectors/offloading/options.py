@@ -1,8 +1,9 @@
-"""Typed options of the offload connectors, parsed from ``kv_connector_extra_config``.
+"""Typed options of the OffloadingConnector, parsed from ``kv_connector_extra_config``, and
+the checks both offload connectors' options share.
 
 Unknown keys and wrong types are rejected by :func:`kvferry.kv_transfer.options.parse_options`
-with the list of valid options; the ``validate`` methods here check values and combinations.
-Sizes are bytes (ints); a count option (``num_cpu_blocks`` ...) overrides the byte budget.
+with the list of valid options; the ``validate`` methods check values and combinations.
+Sizes are bytes (ints); a count option (``num_cpu_chunks`` ...) overrides the byte budget.
 """
 
 from __future__ import annotations
@@ -19,59 +20,16 @@ GiB = 1024**3
 STORE_MODES = ("auto", "background", "inline")
 
 
-def _store_mode(owner: str, value: str) -> None:
+def check_store_mode(owner: str, value: str) -> None:
     if value not in STORE_MODES:
         raise ConfigError(
             f"{owner}: host_store_mode must be one of {list(STORE_MODES)}, got {value!r}"
         )
 
 
-def _positive(owner: str, name: str, value: int | None) -> None:
+def check_positive(owner: str, name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise ConfigError(f"{owner}: {name} must be positive, got {value}")
-
-
-@dataclass
-class SimpleCPUOffloadOptions:
-    """``cpu_bytes_to_use``: host memory for offloaded KV, shared by all ranks (default 8 GiB,
-    as in vLLM); ``cpu_bytes_to_use_per_rank`` overrides it per rank; ``num_cpu_blocks``
-    overrides both. ``lazy_offload``: instead of copying every computed block out as soon as
-    it is complete (eager), copy only cached blocks that are about to be evicted from the
-    engine's pool: the ``lazy_window_blocks`` blocks at the head of its free queue (default:
-    an eighth of the pool).
-
-    ``host_store_mode`` (both offload connectors): how a CPU engine copies computed blocks
-    into host memory. "background": on the copy threads, next to the forward. "inline": in
-    the worker right after the forward, by every core at once. "auto" (default): inline when
-    torch's threads already take every core the process may use, so a background copy could
-    only take cycles from the forward's OpenMP team (on 2 cores background stores took 1.9%
-    of a run's time against 1.1% inline); background otherwise. CUDA engines always copy on a side stream."""
-
-    cpu_bytes_to_use: int = 8 * GiB
-    cpu_bytes_to_use_per_rank: int | None = None
-    num_cpu_blocks: int | None = None
-    lazy_offload: bool = False
-    lazy_window_blocks: int | None = None
-    host_store_mode: str = "auto"
-
-    def validate(self, owner: str) -> None:
-        _store_mode(owner, self.host_store_mode)
-        _positive(owner, "cpu_bytes_to_use", self.cpu_bytes_to_use)
-        _positive(owner, "cpu_bytes_to_use_per_rank", self.cpu_bytes_to_use_per_rank)
-        _positive(owner, "num_cpu_blocks", self.num_cpu_blocks)
-        _positive(owner, "lazy_window_blocks", self.lazy_window_blocks)
-
-    def num_blocks(self, bytes_per_block: int, world_size: int, owner: str) -> int:
-        if self.num_cpu_blocks is not None:
-            return self.num_cpu_blocks
-        per_rank = self.cpu_bytes_to_use_per_rank or self.cpu_bytes_to_use // max(1, world_size)
-        n = per_rank // bytes_per_block
-        if n <= 0:
-            raise ConfigError(
-                f"{owner}: {per_rank} bytes of host memory hold no KV block "
-                f"({bytes_per_block} bytes each); raise cpu_bytes_to_use"
-            )
-        return n
 
 
 @dataclass
@@ -101,7 +59,12 @@ class OffloadingOptions:
     request may wait (seconds) for chunks that are being stored or read back from disk before
     it takes the hit that is ready. A time, not a step count: steps with nothing to compute
     take microseconds, so a count would expire long before a disk read finishes.
-    ``host_store_mode``: see :class:`SimpleCPUOffloadOptions`.
+    ``host_store_mode`` (both offload connectors): how a CPU engine copies computed blocks
+    into host memory. "background": on the copy threads, next to the forward. "inline": in
+    the worker right after the forward, by every core at once. "auto" (default): inline when
+    torch's threads already take every core the process may use, so that a background copy
+    could only take cycles from the forward's OpenMP team (see docs/benchmarks.md);
+    background otherwise. CUDA engines always copy on a side stream.
     """
 
     cpu_bytes_to_use: int | None = None
@@ -122,7 +85,7 @@ class OffloadingOptions:
     host_store_mode: str = "auto"
 
     def validate(self, owner: str) -> None:
-        _store_mode(owner, self.host_store_mode)
+        check_store_mode(owner, self.host_store_mode)
         if self.cpu_bytes_to_use is None and self.num_cpu_chunks is None:
             raise ConfigError(f"{owner}: set cpu_bytes_to_use (or num_cpu_chunks)")
         for name in (
@@ -134,7 +97,7 @@ class OffloadingOptions:
             "store_threshold",
             "max_tracker_size",
         ):
-            _positive(owner, name, getattr(self, name))
+            check_positive(owner, name, getattr(self, name))
         if self.max_lookup_wait_s < 0:
             raise ConfigError(f"{owner}: max_lookup_wait_s must be >= 0")
         if self.disk_path == "":

@@ -1,9 +1,10 @@
-"""OffloadWorker: the worker half both offload connectors share.
+"""OffloadJobRunner: what both offload connectors' worker halves run their jobs on.
 
 It owns the host buffer, the optional disk store and the :class:`TransferEngine`, submits
 the jobs a connector's metadata names, and turns finished jobs into what the protocol
 reports: loads into ``finished_recving`` (and ``failed_recving`` when they failed), every job
-into :class:`OffloadWorkerMetadata` counts, and transfer statistics.
+into :class:`OffloadWorkerMetadata` counts, and transfer statistics. Copies between the
+engine's KV and host memory use the engine's block copy once :meth:`set_copy_op` gave it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from typing import Any
 import torch
 
 from kvferry.config import ConfigError
-from kvferry.kv_transfer.base import KVConnectorStats
+from kvferry.kv_transfer.base import CopyBlocksOp, KVConnectorStats
+from kvferry.kv_transfer.connectors.offloading.worker_metadata import OffloadWorkerMetadata
 from kvferry.kv_transfer.offload.disk import DEFAULT_READ_TIMEOUT_S, DiskStore
 from kvferry.kv_transfer.offload.host_buffer import HostKVBuffer
-from kvferry.kv_transfer.offload.jobs import JobKind, OffloadWorkerMetadata, TransferJob
+from kvferry.kv_transfer.offload.jobs import JobKind, TransferJob
 from kvferry.kv_transfer.offload.stats import TransferStats
 from kvferry.kv_transfer.offload.transfer import JobResult, TransferEngine
-from kvferry.logger import init_logger, kv
+from kvferry.logger import fmt_fields, init_logger
 
 logger = init_logger(__name__)
 
@@ -42,7 +44,7 @@ def host_memory_available() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-class OffloadWorker:
+class OffloadJobRunner:
     def __init__(
         self,
         owner: str,
@@ -65,6 +67,7 @@ class OffloadWorker:
         self.disk_key = disk_key
         self.disk_read_timeout_s = disk_read_timeout_s
         self.engine: TransferEngine | None = None
+        self.copy_op: CopyBlocksOp | None = None
         self.stats: TransferStats | None = None
         self._recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -99,9 +102,11 @@ class OffloadWorker:
             or (self.store_mode == "auto" and torch.get_num_threads() >= usable_cpus())
         )
         self.engine = TransferEngine(kv_caches, host, disk, inline_stores=inline)
+        if self.copy_op is not None:
+            self.engine.copy_op = self.copy_op
         self.stats = TransferStats(per_block)
         logger.info(
-            kv(
+            fmt_fields(
                 f"{self.owner} worker ready",
                 host_blocks=self.num_host_blocks,
                 host_gib=round(need / 2**30, 3),
@@ -115,6 +120,12 @@ class OffloadWorker:
                 stores="inline" if inline else "background",
             )
         )
+
+    def set_copy_op(self, copy_op: CopyBlocksOp) -> None:
+        """Copy blocks between the engine's KV and host memory with the engine's op."""
+        self.copy_op = copy_op
+        if self.engine is not None:
+            self.engine.copy_op = copy_op
 
     def _engine(self) -> TransferEngine:
         if self.engine is None:

@@ -1,4 +1,4 @@
-"""KVConnectorOutput: what a worker reports back to the scheduler after each step."""
+"""KVConnectorOutput: what a worker's KV connector reports back to the scheduler each step."""
 
 from __future__ import annotations
 

@@ -1,0 +1,45 @@
+"""OffloadConnectorBase: the protocol facade both offload connectors share."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvferry.config import ConfigError
+from kvferry.kv_transfer.base import KVConnectorRole
+from kvferry.kv_transfer.connectors.offloading.layout import engine_facts
+from kvferry.kv_transfer.connectors.offloading.scheduler import OffloadingConnectorScheduler
+from kvferry.kv_transfer.connectors.offloading.worker import OffloadingConnectorWorker
+from kvferry.kv_transfer.connectors.split import SplitConnector
+
+if TYPE_CHECKING:
+    from kvferry.config import EngineConfig
+    from kvferry.core.kv_cache_config import KVCacheConfig
+
+
+class OffloadConnectorBase(SplitConnector[OffloadingConnectorScheduler, OffloadingConnectorWorker]):
+    """A :class:`SplitConnector` over an :class:`OffloadingConnectorScheduler` (or a preset of
+    it) and an :class:`OffloadingConnectorWorker`; needs prefix caching, as offloaded KV is
+    keyed by block hashes.
+
+    Offload connectors never delay frees (``request_finished`` returns False): a store that
+    still reads a finished or preempted request's blocks is *fenced* instead. The scheduler
+    half lists, each step, the store jobs whose source blocks this step reallocated; the
+    worker waits for them in ``handle_preemptions``, before the forward can overwrite them.
+    """
+
+    def __init__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self.facts = engine_facts(config)
+        if not self.facts.prefix_caching:
+            raise ConfigError(
+                f"{type(self).__name__} keys offloaded KV by prefix-cache block hashes and "
+                f"needs prefix caching; enable it (enable_prefix_caching=True) or drop the "
+                f"connector"
+            )
+
+    def check_offload_integrity(self, idle: bool = False) -> None:
+        """Leak check of the offload pool (scheduler role); see
+        :meth:`OffloadingConnectorScheduler.check_integrity`."""
+        self._scheduler_side("check_offload_integrity").check_integrity(idle)
