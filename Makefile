@@ -13,7 +13,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 LOCAL_CPU_TORCH := $(wildcard /opt/wheels/torch-$(TORCH_VERSION)+cpu*)
 TORCH_INDEX ?= $(if $(HAS_GPU)$(LOCAL_CPU_TORCH),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: setup demo test lint typecheck unit bench clean
+.PHONY: setup demo test lint typecheck unit bench chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,13 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 test: lint typecheck unit
+
+# The chaos suite's long profile (the short one runs in `make test`); then the table of
+# docs/reliability.md from its results.
+chaos: $(STAMP)
+	KVFERRY_CHAOS_PROFILE=long $(BIN)/python -m pytest -q tests/chaos; status=$$?; \
+	$(BIN)/python tests/chaos/report.py --profile long --write docs/reliability.md; \
+	exit $$status
 
 # Benchmarks (run on a quiet machine; results go to .bench/results, summaries to docs/)
 bench: $(STAMP)

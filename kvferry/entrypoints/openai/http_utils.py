@@ -27,9 +27,18 @@ def error_body(message: str, err_type: str, param: str | None, code: int | str |
 
 
 def error_response(
-    status: int, message: str, err_type: str, param: str | None = None, code: Any = None
+    status: int,
+    message: str,
+    err_type: str,
+    param: str | None = None,
+    code: Any = None,
+    close: bool = False,
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, err_type, param, code or status), status_code=status)
+    """OpenAI's error body; ``close`` ends the connection after it (the client may still be
+    sending a body nobody will read)."""
+    headers = {"connection": "close"} if close else None
+    body = error_body(message, err_type, param, code or status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -138,11 +147,15 @@ class BodyLimitMiddleware:
             with contextlib.suppress(_ClientGone, asyncio.TimeoutError):
                 await asyncio.wait_for(self._drain(receive), _DRAIN_S)
             msg = f"the request body is larger than the limit of {self.max_bytes} bytes"
-            await error_response(413, msg, "invalid_request_error")(scope, receive, send)
+            await error_response(413, msg, "invalid_request_error", close=True)(
+                scope, receive, send
+            )
             return
         except asyncio.TimeoutError:
             msg = f"the request body did not arrive within {self.timeout_s:g} s"
-            await error_response(408, msg, "invalid_request_error")(scope, receive, send)
+            await error_response(408, msg, "invalid_request_error", close=True)(
+                scope, receive, send
+            )
             return
         replayed = False
 
