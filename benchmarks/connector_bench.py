@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -25,25 +24,19 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, machine_info, make_prompts, markdown_table
-from benchmarks.models import get_model, model_vocab_size
+from benchmarks.harness.engines import make_llm
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.models import get_model, model_vocab_size
+from benchmarks.harness.paths import REPO_ROOT
+from benchmarks.harness.prompts import make_prompts
+from benchmarks.harness.results import result_path, run_header, write_json
 
-EXAMPLES = str(Path(__file__).resolve().parent.parent)
+EXAMPLES = str(REPO_ROOT)
+ENGINE_ARGS = {"max_model_len": 4096, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
 
 
-def _engine(model: Path, dtype: str, kv: dict[str, Any] | None, **kw: Any) -> Any:
-    from kvferry import LLM
-
-    args: dict[str, Any] = {
-        "dtype": dtype,
-        "max_model_len": 4096,
-        "max_num_seqs": 64,
-        "max_num_batched_tokens": 2048,
-    }
-    args.update(kw)
-    if kv is not None:
-        args["kv_transfer_config"] = kv
-    return LLM(model=str(model), **args)
+def _engine(model: Path, dtype: str, kv: dict[str, Any] | None) -> Any:
+    return make_llm(model, dtype, kv, **ENGINE_ARGS)
 
 
 def _throughput(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
@@ -152,15 +145,12 @@ def main() -> None:
     model = get_model("tiny" if args.quick else "mid")
     num, max_tokens, plen = (8, 16, 512) if args.quick else (32, 64, 2048)
     result = {
-        "machine": machine_info(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **run_header(),
         "model": model.name,
         "overhead": overhead(model, args.dtype, num, max_tokens, 2 if args.quick else args.rounds),
         "ttft": ttft(model, args.dtype, plen, 2 if args.quick else 3),
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / ("connector_quick.json" if args.quick else "connector.json")
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(result_path("connector", args.quick), result)
     ov = result["overhead"]
     print(
         f"## Connector overhead, no hits ({model.name}, {ov['dtype']}, {ov['num_prompts']} "

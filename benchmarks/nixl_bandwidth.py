@@ -48,7 +48,7 @@ def _geometry(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     from kvferry.config import KVTransferConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+    from kvferry.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 
     dtype = getattr(torch, args.dtype)
     group = KVCacheGroupSpec(
@@ -215,7 +215,7 @@ def _child(role: str, args: argparse.Namespace, extra: list[str]) -> subprocess.
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: a few MB per read")
     ap.add_argument("--blocks", type=int, default=256, help="blocks per read")
@@ -235,11 +235,11 @@ def main() -> None:
     if args.quick:
         args.layers, args.kv_heads, args.head_dim, args.dtype = 4, 2, 64, "float32"
         args.blocks, args.num_blocks = min(args.blocks, 64), min(args.num_blocks, 128)
-    if args.role == "prefill":
-        return run_prefill(args)
-    if args.role == "decode":
-        return run_decode(args)
+    return args
 
+
+def run_pair(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the prefill child, then the decode child that measures; the decode result."""
     prefill = _child("prefill", args, [])
     assert prefill.stdout is not None and prefill.stdin is not None
     try:
@@ -248,10 +248,20 @@ def main() -> None:
         out, _ = decode.communicate(timeout=1800)
         if decode.returncode != 0:
             raise SystemExit(f"decode child failed ({decode.returncode})")
-        res = json.loads(out.strip().splitlines()[-1])
+        res: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     finally:
         prefill.stdin.close()
         prefill.wait(60)
+    return res
+
+
+def main() -> None:
+    args = parse_args()
+    if args.role == "prefill":
+        return run_prefill(args)
+    if args.role == "decode":
+        return run_decode(args)
+    res = run_pair(args)
     gb = res["bytes"] / 1e9
     conn_bw = gb / statistics.median(res["connector_s"])
     raw_bw = gb / statistics.median(res["raw_s"])

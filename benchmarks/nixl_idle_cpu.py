@@ -16,8 +16,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness.kv_configs import nixl_kv
 
 
 def _free_port() -> int:
@@ -32,12 +38,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=30.0)
     args = ap.parse_args()
     port = _free_port()
-    kv = {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
-        "kv_ip": "127.0.0.1",
-        "kv_connector_extra_config": {"side_channel_port": 0},
-    }
+    kv = nixl_kv(ip="127.0.0.1")
     cmd = [
         sys.executable, "-m", "kvferry.entrypoints.cli", "serve", args.model,
         "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(kv),

@@ -34,8 +34,12 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import bar_plot, markdown_table, write_results_json
-from benchmarks.offload_common import IMG_DIR, RESULTS, SCRATCH, update_doc
+from benchmarks.harness.cli import fill_quick_defaults
+from benchmarks.harness.markdown import markdown_table, update_doc
+from benchmarks.harness.paths import IMG_DIR, OFFLOAD_SCRATCH
+from benchmarks.harness.plots import bar_plot
+from benchmarks.harness.results import result_path, write_results_json
+from benchmarks.harness.timing import best_time
 from kvferry.kv_transfer.offload.disk import DiskStore
 from kvferry.kv_transfer.offload.host_buffer import HostKVBuffer
 from kvferry.kv_transfer.offload.jobs import JobKind, TransferJob
@@ -59,17 +63,15 @@ class Evictor:
 
 def raw_copy_gbps(nbytes_per_layer: int, reps: int, evict: Evictor) -> float:
     """Best of ``reps`` cold contiguous copies of the same bytes, per layer like the
-    engine's (the first, which also faults the pages in, is dropped)."""
+    engine's (a first one, which also faults the pages in, is not counted)."""
     src = [torch.ones(nbytes_per_layer, dtype=torch.uint8) for _ in range(LAYERS)]
     dst = [torch.empty_like(s) for s in src]
-    times = []
-    for _ in range(reps + 1):
-        evict()
-        t0 = time.perf_counter()
+
+    def copy() -> None:
         for s, d in zip(src, dst, strict=True):
             d.copy_(s)
-        times.append(time.perf_counter() - t0)
-    return nbytes_per_layer * LAYERS / min(times[1:]) / 1e9
+
+    return nbytes_per_layer * LAYERS / best_time(copy, reps, before=evict) / 1e9
 
 
 def memcpy_gbps(nbytes_per_layer: int, reps: int, evict: Evictor) -> float:
@@ -79,14 +81,12 @@ def memcpy_gbps(nbytes_per_layer: int, reps: int, evict: Evictor) -> float:
 
     src = [np.ones(nbytes_per_layer, dtype=np.uint8) for _ in range(LAYERS)]
     dst = [np.empty_like(s) for s in src]
-    times = []
-    for _ in range(reps + 1):
-        evict()
-        t0 = time.perf_counter()
+
+    def copy() -> None:
         for s, d in zip(src, dst, strict=True):
             np.copyto(d, s)
-        times.append(time.perf_counter() - t0)
-    return nbytes_per_layer * LAYERS / min(times[1:]) / 1e9
+
+    return nbytes_per_layer * LAYERS / best_time(copy, reps, before=evict) / 1e9
 
 
 def run_job(engine: TransferEngine, job: TransferJob) -> JobResult:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     host = HostKVBuffer(kv, max(args.sizes) * 2, pin_memory=False)
     chunk = args.blocks_per_chunk
-    folder = SCRATCH / "bandwidth"
+    folder = OFFLOAD_SCRATCH / "bandwidth"
     shutil.rmtree(folder, ignore_errors=True)
     disk = DiskStore(folder, "ab" * 16, chunk * host.bytes_per_block, fsync=False)
     engine = TransferEngine(kv, host, disk)
@@ -209,10 +209,9 @@ def main() -> None:
     ap.add_argument("--blocks-per-chunk", type=int, default=4)
     ap.add_argument("--no-docs", action="store_true")
     args = ap.parse_args()
-    args.sizes = args.sizes or ([16, 64] if args.quick else [16, 64, 256, 512])
-    args.reps = args.reps or (3 if args.quick else 10)
+    fill_quick_defaults(args, sizes=([16, 64], [16, 64, 256, 512]), reps=(3, 10))
     res = run(args)
-    write_results_json(RESULTS / f"offload_bandwidth{'_quick' if args.quick else ''}.json", res)
+    write_results_json(result_path("offload_bandwidth", args.quick), res)
     report(res, not args.no_docs, args.quick)
 
 

@@ -25,19 +25,15 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import bar_plot, markdown_table, write_results_json
-from benchmarks.models import model_vocab_size
-from benchmarks.offload_common import (
-    IMG_DIR,
-    RESULTS,
-    SCRATCH,
-    bench_model,
-    drain,
-    make_llm,
-    offload_kv,
-    random_tokens,
-    update_doc,
-)
+from benchmarks.harness.cli import fill_quick_defaults
+from benchmarks.harness.engines import drain, make_llm
+from benchmarks.harness.kv_configs import offload_kv
+from benchmarks.harness.markdown import markdown_table, update_doc
+from benchmarks.harness.models import bench_model, model_vocab_size
+from benchmarks.harness.paths import IMG_DIR, OFFLOAD_SCRATCH
+from benchmarks.harness.plots import bar_plot
+from benchmarks.harness.prompts import random_tokens
+from benchmarks.harness.results import result_path, write_results_json
 from kvferry import SamplingParams
 
 
@@ -78,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     final_len = args.system_len + args.turns * (args.user_len + args.answer_len)
     model = bench_model(args.model, final_len + 64)
     vocab = model_vocab_size(model)
-    folder = SCRATCH / "multiturn-disk"
+    folder = OFFLOAD_SCRATCH / "multiturn-disk"
     shutil.rmtree(folder, ignore_errors=True)
     pool_blocks = max(int(args.convs * final_len * args.pool_fraction) // 16, final_len // 16 + 8)
     engine_args = {"max_model_len": final_len + 64, "num_kv_blocks": pool_blocks}
@@ -178,16 +174,19 @@ def main() -> None:
     ap.add_argument("--no-docs", action="store_true")
     args = ap.parse_args()
     quick = args.quick
-    args.model = args.model or ("tiny" if quick else "mid")
-    args.convs = args.convs or (4 if quick else 20)
-    args.turns = args.turns or (3 if quick else 5)
-    args.system_len = args.system_len or (64 if quick else 512)
-    args.user_len = args.user_len or (16 if quick else 64)
-    args.answer_len = args.answer_len or (8 if quick else 32)
+    fill_quick_defaults(
+        args,
+        model=("tiny", "mid"),
+        convs=(4, 20),
+        turns=(3, 5),
+        system_len=(64, 512),
+        user_len=(16, 64),
+        answer_len=(8, 32),
+    )
     if quick:
         args.small_host_mib = 1
     res = run(args)
-    write_results_json(RESULTS / f"offload_multiturn{'_quick' if quick else ''}.json", res)
+    write_results_json(result_path("offload_multiturn", quick), res)
     report(res, not args.no_docs, quick)
 
 

@@ -23,19 +23,16 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import bar_plot, markdown_table, write_results_json
-from benchmarks.models import model_vocab_size
-from benchmarks.offload_common import (
-    IMG_DIR,
-    RESULTS,
-    SCRATCH,
-    bench_model,
-    drain,
-    make_llm,
-    offload_kv,
-    random_tokens,
-    update_doc,
-)
+from benchmarks.harness.cli import fill_quick_defaults
+from benchmarks.harness.engines import drain, make_llm
+from benchmarks.harness.kv_configs import offload_kv
+from benchmarks.harness.markdown import markdown_table, update_doc
+from benchmarks.harness.models import bench_model, model_vocab_size
+from benchmarks.harness.paths import IMG_DIR, OFFLOAD_SCRATCH
+from benchmarks.harness.plots import bar_plot
+from benchmarks.harness.prompts import random_tokens
+from benchmarks.harness.results import result_path, write_results_json
+from benchmarks.harness.timing import alternating
 from kvferry import SamplingParams
 
 # Protocol calls on the engine's thread; with inline stores wait_for_save includes the copies.
@@ -84,7 +81,7 @@ def copy_thread_seconds(llm: Any) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = bench_model(args.model)
     vocab = model_vocab_size(model)
-    folder = SCRATCH / "throughput-disk"
+    folder = OFFLOAD_SCRATCH / "throughput-disk"
     shutil.rmtree(folder, ignore_errors=True)
     configs = {
         "off": offload_kv("off"),
@@ -114,8 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             {"prompt_token_ids": random_tokens(rng, rng.randint(args.min_len, args.max_len), vocab)}
             for _ in range(args.num_prompts)
         ]
-        order = list(llms) if rep % 2 == 0 else list(reversed(llms))
-        for name in order:
+        for name in alternating(list(llms), rep):
             llm = llms[name]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -236,14 +232,13 @@ def main() -> None:
     ap.add_argument("--disk", action="store_true", help="also a config with a disk tier")
     ap.add_argument("--no-docs", action="store_true")
     args = ap.parse_args()
-    args.model = args.model or ("tiny" if args.quick else "mid")
-    args.num_prompts = args.num_prompts or (8 if args.quick else 32)
-    args.output_len = args.output_len or (16 if args.quick else 64)
-    args.reps = args.reps or (2 if args.quick else 5)
+    fill_quick_defaults(
+        args, model=("tiny", "mid"), num_prompts=(8, 32), output_len=(16, 64), reps=(2, 5)
+    )
     if args.quick:
         args.min_len, args.max_len = 64, 128
     res = run(args)
-    write_results_json(RESULTS / f"offload_throughput{'_quick' if args.quick else ''}.json", res)
+    write_results_json(result_path("offload_throughput", args.quick), res)
     report(res, not args.no_docs, args.quick)
 
 

@@ -29,20 +29,15 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import markdown_table, write_results_json
-from benchmarks.models import model_vocab_size
-from benchmarks.offload_common import (
-    IMG_DIR,
-    RESULTS,
-    SCRATCH,
-    bench_model,
-    drain,
-    line_plot,
-    make_llm,
-    offload_kv,
-    random_tokens,
-    update_doc,
-)
+from benchmarks.harness.cli import fill_quick_defaults
+from benchmarks.harness.engines import drain, make_llm
+from benchmarks.harness.kv_configs import offload_kv
+from benchmarks.harness.markdown import markdown_table, update_doc
+from benchmarks.harness.models import bench_model, model_vocab_size
+from benchmarks.harness.paths import IMG_DIR, OFFLOAD_SCRATCH
+from benchmarks.harness.plots import line_plot
+from benchmarks.harness.prompts import random_tokens
+from benchmarks.harness.results import result_path, write_results_json
 from kvferry import SamplingParams
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -62,7 +57,7 @@ def reset_local(llm: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = bench_model(args.model, max(args.lengths) + 64)
     vocab = model_vocab_size(model)
-    folder = SCRATCH / "ttft-disk"
+    folder = OFFLOAD_SCRATCH / "ttft-disk"
     shutil.rmtree(folder, ignore_errors=True)
     engine_args = {
         "max_model_len": max(args.lengths) + 64,
@@ -164,14 +159,14 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args()
-    args.model = args.model or ("tiny" if args.quick else "mid")
-    args.lengths = args.lengths or (
-        [128, 256, 512] if args.quick else [512, 1024, 2048, 4096, 8192]
+    fill_quick_defaults(
+        args,
+        model=("tiny", "mid"),
+        lengths=([128, 256, 512], [512, 1024, 2048, 4096, 8192]),
+        reps=(1, 3),
     )
-    args.reps = args.reps or (1 if args.quick else 3)
     res = run(args)
-    out = "offload_ttft_quick.json" if args.quick else "offload_ttft.json"
-    write_results_json(RESULTS / out, res)
+    write_results_json(result_path("offload_ttft", args.quick), res)
     report(res, args.lengths, not args.no_docs, args.quick)
 
 

@@ -19,7 +19,6 @@ Two parts:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,10 +32,13 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, machine_info, make_prompts, markdown_table
-from benchmarks.models import get_model, model_vocab_size
-from benchmarks.pd_latency import _one
-from kvferry.entrypoints.demo import Instance, start, stop, wait_healthy, wait_listening
+from benchmarks.harness.kv_configs import nixl_kv
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.models import get_model, model_vocab_size
+from benchmarks.harness.prompts import make_prompts
+from benchmarks.harness.results import result_path, run_header, write_json
+from benchmarks.harness.serving import pd_deployment, serve_env, stream_completion
+from benchmarks.harness.timing import alternating
 
 FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "2048"]
 
@@ -94,17 +96,6 @@ def auth_work_per_request(n: int = 2000) -> float:
     return request_work(True) - request_work(False)
 
 
-def _serve(name: str, model: Path, logs: Path, port: int, env: dict[str, str]) -> Instance:
-    kv = {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
-        "kv_port": port,
-        "kv_connector_extra_config": {"side_channel_port": 0},
-    }
-    argv = ["serve", str(model), "--port", "0", "--served-model-name", "m", *FLAGS]
-    return start(name, [*argv, "--kv-transfer-config", json.dumps(kv)], logs, env=env)
-
-
 def run_mode(
     model: Path,
     logs: Path,
@@ -113,39 +104,30 @@ def run_mode(
     max_tokens: int,
     concurrency: int,
 ) -> dict[str, Any]:
-    env = {**os.environ, "UCX_NET_DEVICES": "lo", "KVFERRY_LOG_STATS_INTERVAL": "3600"}
+    env = serve_env()
     env.pop("KVFERRY_KV_SECRET", None)
     env.pop("KVFERRY_KV_SECRET_FILE", None)
     if secret is not None:
         env["KVFERRY_KV_SECRET_FILE"] = str(secret)
     tag = "on" if secret else "off"
-    p = _serve(f"prefill-{tag}", model, logs, 16201, env)
-    d = _serve(f"decode-{tag}", model, logs, 16301, env)
-    procs = [p, d]
-    try:
-        p_url, d_url = wait_listening(p), wait_listening(d)
-        argv = ["proxy", "--port", "0", "--prefill", p_url, "--decode", d_url]
-        proxy = start(f"proxy-{tag}", argv, logs, env=env)
-        procs.append(proxy)
-        url = wait_listening(proxy)
-        for inst in procs:
-            wait_healthy(inst.url, inst=inst)
+    kvs = (nixl_kv(16201), nixl_kv(16301))
+    with pd_deployment(model, logs, FLAGS, kvs, env=env, proxy_env=env, tag=f"-{tag}") as urls:
+        url = urls.proxy
         for warm in prompts[:2]:
-            _one(url, warm, 4, {})
+            stream_completion(url, warm, 4, {})
         seq: list[dict[str, Any]] = [{} for _ in prompts]
         for prompt, out in zip(prompts, seq, strict=True):
-            _one(url, prompt, max_tokens, out)
+            stream_completion(url, prompt, max_tokens, out)
         par: list[dict[str, Any]] = [{} for _ in prompts]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             list(
                 pool.map(
-                    lambda a: _one(url, a[0], max_tokens, a[1]), zip(prompts, par, strict=True)
+                    lambda a: stream_completion(url, a[0], max_tokens, a[1]),
+                    zip(prompts, par, strict=True),
                 )
             )
         wall = time.perf_counter() - t0
-    finally:
-        stop(procs)
     log = (logs / f"decode-{tag}.log").read_text()
     authenticated = "side channel authenticated" in log
     assert authenticated == (secret is not None), f"decode-{tag}: authentication not as asked"
@@ -176,8 +158,7 @@ def main() -> None:
     work_s = auth_work_per_request()
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     for rnd in range(args.rounds):
-        order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
-        for mode in order:
+        for mode in alternating(("off", "on"), rnd):
             res = run_mode(
                 model,
                 logs,
@@ -188,19 +169,9 @@ def main() -> None:
             )
             runs[mode].append(res)
 
-    def agg(mode: str) -> dict[str, float]:
-        ttft = [t for r in runs[mode] for t in r["ttft"]]
-        return {
-            "ttft_median_s": statistics.median(ttft),
-            "ttft_mean_s": statistics.mean(ttft),
-            "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in runs[mode]),
-            "requests_per_s": statistics.mean(r["requests_per_s"] for r in runs[mode]),
-        }
-
-    off, on = agg("off"), agg("on")
+    off, on = _aggregate(runs["off"]), _aggregate(runs["on"])
     result = {
-        "machine": machine_info(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **run_header(),
         "model": model.name,
         "args": vars(args),
         "auth_work_per_request_s": work_s,
@@ -209,48 +180,46 @@ def main() -> None:
         "on": on,
         "runs": runs,
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / "pd_auth_cost.json"
-    out.write_text(json.dumps(result, indent=2))
-    print(
-        f"## P/D with authentication off vs on ({model.name}, fp32, {args.requests} prompts of "
-        f"256-1024 tokens, {args.max_tokens} output tokens, {args.rounds} round(s))\n"
-    )
-
-    def cost(a: float, b: float, lower_is_better: bool) -> str:
-        change = (b - a) / a if lower_is_better else (a - b) / a
-        return f"{100 * change:+.1f}%"
-
-    print(
-        markdown_table(
-            ["metric", "auth off", "auth on", "cost"],
-            [
-                [
-                    "TTFT median (ms)",
-                    f"{1000 * off['ttft_median_s']:.1f}",
-                    f"{1000 * on['ttft_median_s']:.1f}",
-                    cost(off["ttft_median_s"], on["ttft_median_s"], True),
-                ],
-                [
-                    "TTFT mean (ms)",
-                    f"{1000 * off['ttft_mean_s']:.1f}",
-                    f"{1000 * on['ttft_mean_s']:.1f}",
-                    cost(off["ttft_mean_s"], on["ttft_mean_s"], True),
-                ],
-                [
-                    f"throughput, {args.concurrency} at a time (tok/s)",
-                    f"{off['tokens_per_s']:.1f}",
-                    f"{on['tokens_per_s']:.1f}",
-                    cost(off["tokens_per_s"], on["tokens_per_s"], False),
-                ],
-            ],
-        )
-    )
-    print(
-        f"\nauthentication work per request, in process: {1e6 * work_s:.0f} us "
-        f"({100 * work_s / off['ttft_median_s']:.2f}% of the TTFT median)"
-    )
+    out = write_json(result_path("pd_auth_cost"), result)
+    print(report(result, args))
     print(f"results: {out}")
+
+
+def _aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
+    ttft = [t for r in runs for t in r["ttft"]]
+    return {
+        "ttft_median_s": statistics.median(ttft),
+        "ttft_mean_s": statistics.mean(ttft),
+        "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in runs),
+        "requests_per_s": statistics.mean(r["requests_per_s"] for r in runs),
+    }
+
+
+def _cost(a: float, b: float, lower_is_better: bool) -> str:
+    change = (b - a) / a if lower_is_better else (a - b) / a
+    return f"{100 * change:+.1f}%"
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    off, on, work_s = result["off"], result["on"], result["auth_work_per_request_s"]
+    rows = [
+        ("TTFT median (ms)", "ttft_median_s", 1000, True),
+        ("TTFT mean (ms)", "ttft_mean_s", 1000, True),
+        (f"throughput, {args.concurrency} at a time (tok/s)", "tokens_per_s", 1, False),
+    ]
+    table = markdown_table(
+        ["metric", "auth off", "auth on", "cost"],
+        [
+            [label, f"{scale * off[k]:.1f}", f"{scale * on[k]:.1f}", _cost(off[k], on[k], lower)]
+            for label, k, scale, lower in rows
+        ],
+    )
+    return (
+        f"## P/D with authentication off vs on ({result['model']}, fp32, {args.requests} "
+        f"prompts of 256-1024 tokens, {args.max_tokens} output tokens, {args.rounds} "
+        f"round(s))\n\n{table}\n\nauthentication work per request, in process: "
+        f"{1e6 * work_s:.0f} us ({100 * work_s / off['ttft_median_s']:.2f}% of the TTFT median)"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ startup against vLLM's (target <= 1/4). Prints a markdown table and a verdict pe
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, markdown_table
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.paths import RESULTS_DIR
 
 COMPUTE_BOUND_ROW = "mid-bf16-p64"
 
@@ -103,8 +105,15 @@ def check(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
 
 
 def main() -> None:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS_DIR / "throughput.json"
-    data = json.loads(path.read_text())
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "results",
+        nargs="?",
+        type=Path,
+        default=RESULTS_DIR / "throughput.json",
+        help="throughput.py's results JSON (default: .bench/results/throughput.json)",
+    )
+    data = json.loads(ap.parse_args().results.read_text())
     md, verdicts = check(data["rows"])
     print(md)
     print()

@@ -244,6 +244,9 @@ def run(job: Job) -> dict[str, Any]:
 
 
 def main() -> int:
+    if len(sys.argv) != 3:
+        print(__doc__.strip())
+        return 0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2
     job_path, result_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
         job = json.load(f)

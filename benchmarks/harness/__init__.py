@@ -1,0 +1,20 @@
+"""The benchmarks' shared harness: one module per concern, imported by the scripts in
+``benchmarks/``. Heavy imports (torch, psutil, matplotlib, kvferry) happen inside the
+functions that use them, so that importing a module stays cheap.
+
+* ``paths``: where results, models, scratch files and docs live;
+* ``machine``: facts about the machine a result depends on (CPU model and flags, load);
+* ``compute``: linear-layer FLOPs of a model and this machine's GEMM rate (compute floors);
+* ``prompts``: deterministic token-id prompts and output lengths;
+* ``launch``: running a child process with its wall time, peak RSS and others' CPU use;
+* ``timing``: alternating run order and best-of repetitions;
+* ``results``: result files (JSON under ``.bench/results``);
+* ``markdown``: tables and the generated blocks of ``docs/benchmarks.md``;
+* ``plots``: bar and line charts (matplotlib);
+* ``cli``: quick-run defaults of the command lines;
+* ``models``: the random-weight benchmark models (``tiny``, ``mid``);
+* ``engines``: in-process kvferry engines; ``kv_configs``: the KV-transfer configs compared;
+* ``serving``: ``kvferry serve`` / ``proxy`` processes and a streaming client;
+* ``vllm_env``: vLLM's CPU venv and the runtime environment its runs need;
+* ``throughput``: the pieces of ``benchmarks/throughput.py`` (rows, backends, report).
+"""

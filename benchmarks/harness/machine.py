@@ -1,0 +1,74 @@
+"""Facts about the machine and software that a measured number depends on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.paths import REPO_ROOT
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def machine_info() -> dict[str, Any]:
+    """Platform, CPU model and vector ISA, load average, memory, torch and git commit."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+    info.update(_cpu_facts())
+    try:
+        import psutil
+
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    commit = _git_commit()
+    if commit is not None:
+        info["git_commit"] = commit
+    return info
+
+
+def _cpu_facts() -> dict[str, Any]:
+    """``cpu_model`` and ``isa`` (the flags of ``ISA_FLAGS`` this CPU has) from /proc/cpuinfo."""
+    facts: dict[str, Any] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    facts["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
+        facts["isa"] = [f for f in ISA_FLAGS if f in flags]
+    except (OSError, IndexError):
+        pass
+    return facts
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
+
+
+def _git_commit() -> str | None:
+    """Short HEAD commit, ``-dirty`` when ``kvferry/`` has uncommitted changes."""
+    try:
+        commit = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--", "kvferry")
+    except OSError:
+        return None
+    return commit + ("-dirty" if dirty else "")

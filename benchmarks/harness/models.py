@@ -1,0 +1,193 @@
+"""The random-weight benchmark models (``tiny``, ``mid``), built on first use into
+``.bench/models/<name>`` (``benchmarks/models.py`` builds them from the command line).
+
+Random weights need no download and still give deterministic greedy outputs, so backends
+can be compared token by token. kvferry's generator writes them when it is importable,
+else transformers plus a word-level tokenizer covering the whole vocabulary; they are
+stored in float32 and each backend casts them at load time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks.harness.paths import MODELS_DIR
+
+SPEC_FILE = "kvferry_bench_spec.json"  # written next to config.json; invalidates the cache
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    intermediate: int
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+SPECS: dict[str, ModelSpec] = {
+    # ~3.1M params (dominated by the 2 x 2048 x 256 embeddings): overhead-bound.
+    "tiny": ModelSpec(
+        "tiny", hidden=256, layers=4, heads=4, kv_heads=2, vocab=2048, intermediate=688
+    ),
+    # 139.7M params: 12 x 8.9M decoder layers + one 32000 x 1024 embedding tied to the
+    # lm_head (untied it would be 172M; intermediate 2048 instead of Llama's 2.75x =
+    # 2816 keeps the total near 140M). The tied lm_head still costs a full matmul.
+    "mid": ModelSpec(
+        "mid",
+        hidden=1024,
+        layers=12,
+        heads=16,
+        kv_heads=4,
+        vocab=32000,
+        intermediate=2048,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def _generator_available() -> bool:
+    try:
+        from kvferry.model.tiny import make_tiny_model  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _write_tokenizer(out_dir: Path, vocab: int) -> None:
+    """A word-level tokenizer whose vocabulary is exactly ``vocab`` tokens.
+
+    ids 0/1/2 are <pad>/<s>/</s>; every other id ``i`` is the word ``t<i>``. vLLM checks
+    prompt token ids against the tokenizer's vocabulary, so it must cover the model's.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>"]
+    words = {tok: i for i, tok in enumerate(specials)}
+    words.update({f"t{i}": i for i in range(len(specials), vocab)})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "pad_token": "<pad>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<pad>",
+                "model_max_length": 1_000_000,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}, indent=2)
+    )
+
+
+def _make_with_transformers(spec: ModelSpec, out_dir: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    config = LlamaConfig(
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        intermediate_size=spec.intermediate,
+        vocab_size=spec.vocab,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(out_dir)
+    _write_tokenizer(out_dir, spec.vocab)
+
+
+def _make_with_kvferry(spec: ModelSpec, out_dir: Path) -> None:
+    from kvferry.model.tiny import make_tiny_model
+
+    make_tiny_model(
+        out_dir,
+        arch="llama",
+        hidden=spec.hidden,
+        layers=spec.layers,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
+        vocab=spec.vocab,
+        intermediate=spec.intermediate,
+        max_position_embeddings=spec.max_position_embeddings,
+        dtype="float32",
+        seed=spec.seed,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+
+
+def get_model(name: str, force: bool = False, generator: str = "auto") -> Path:
+    """Path of model ``name`` (a key of SPECS), creating it on first use.
+
+    ``generator`` is "auto" (kvferry's when importable, else transformers), "kvferry" or
+    "transformers". A cached model is rebuilt when its spec or generator changed.
+    """
+    spec = SPECS[name]
+    if generator == "auto":
+        generator = "kvferry" if _generator_available() else "transformers"
+    out_dir = MODELS_DIR / name
+    stamp = {**asdict(spec), "generator": generator}
+    stamp_path = out_dir / SPEC_FILE
+    if not force and stamp_path.exists():
+        try:
+            if json.loads(stamp_path.read_text()) == stamp:
+                return out_dir
+        except json.JSONDecodeError:
+            pass
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    if generator == "kvferry":
+        _make_with_kvferry(spec, out_dir)
+    elif generator == "transformers":
+        _make_with_transformers(spec, out_dir)
+    else:
+        raise ValueError(f"unknown generator {generator!r}")
+    stamp_path.write_text(json.dumps(stamp, indent=2) + "\n")
+    return out_dir
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def bench_model(name: str, min_positions: int = 0) -> Path:
+    """Path of benchmark model ``name`` able to take ``min_positions`` positions: the model
+    itself, or a copy whose config has a longer ``max_position_embeddings`` and whose
+    weights are symlinks (so the ~140M ``mid`` model can take 8k-token prompts)."""
+    base = get_model(name)
+    cfg = json.loads((base / "config.json").read_text())
+    if cfg.get("max_position_embeddings", 0) >= min_positions:
+        return base
+    out = MODELS_DIR / f"{name}-pos{min_positions}"
+    cfg["max_position_embeddings"] = min_positions
+    if not (out / "config.json").exists() or json.loads((out / "config.json").read_text()) != cfg:
+        out.mkdir(parents=True, exist_ok=True)
+        for f in base.iterdir():
+            link = out / f.name
+            if f.name != "config.json" and not link.exists():
+                link.symlink_to(f.resolve())
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
