@@ -36,6 +36,7 @@ demo: $(STAMP) $(DEMO_MODEL)/config.json
 lint: $(STAMP)
 	$(BIN)/ruff format --check kvferry tests benchmarks
 	$(BIN)/ruff check kvferry tests benchmarks
+	$(BIN)/lint-imports --no-cache --no-logo
 
 typecheck: $(STAMP)
 	$(BIN)/mypy kvferry

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvferry.sampling_params import SamplingParams
+from kvferry.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from kvferry.engine.arg_utils import EngineArgs
     from kvferry.engine.llm import LLM
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

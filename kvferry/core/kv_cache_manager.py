@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvferry.config import ConfigError
 from kvferry.core.block_pool import BlockPool, KVCacheBlock
-from kvferry.core.kv_cache_config import KVCacheConfig
+from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.request import Request
 
 

@@ -22,10 +22,10 @@ from kvferry.config import (
 )
 from kvferry.core.connector_state import ConnectorState, FinishOutcome
 from kvferry.core.integrity import check_scheduler_integrity
-from kvferry.core.kv_cache_config import KVCacheConfig
 from kvferry.core.kv_cache_manager import KVCacheManager
 from kvferry.core.outputs import EngineCoreOutput
 from kvferry.core.stats import SchedulerStats
+from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorStats
 from kvferry.request import Request, RequestStatus
 

@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvferry.config import ConfigError
+from kvferry.entrypoints.metrics import CONTENT_TYPE, ProxyMetrics
 from kvferry.entrypoints.openai.http_utils import (
     BodyLimitMiddleware,
     EventStream,
@@ -54,7 +55,6 @@ from kvferry.entrypoints.openai.http_utils import (
 )
 from kvferry.entrypoints.openai.limits import ServerLimits
 from kvferry.logger import fmt_fields, init_logger
-from kvferry.metrics import CONTENT_TYPE, ProxyMetrics
 
 logger = init_logger(__name__)
 

@@ -42,6 +42,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from kvferry.kv_transfer.kv_cache_view import (
+    KVCacheBlocksView,
+    KVCacheBlockView,
+    KVCacheManagerView,
+)
 from kvferry.logger import init_logger
 from kvferry.step_types.kv_connector_metadata import (
     KVConnectorHandshakeMetadata,
@@ -51,8 +56,7 @@ from kvferry.step_types.kv_connector_metadata import (
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvferry.kv_cache_config import KVCacheConfig
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
     from kvferry.step_types.kv_connector_output import KVConnectorOutput
@@ -68,6 +72,9 @@ __all__ = [
     "KVConnectorStats",
     "KVConnectorStatsTotals",
     "KVConnectorWorkerMetadata",
+    "KVCacheBlockView",
+    "KVCacheBlocksView",
+    "KVCacheManagerView",
     "SupportsHMA",
     "supports_hma",
 ]
@@ -280,10 +287,10 @@ class KVConnectorBase(ABC):
         return False
 
     # --------------------------------------------------------------- scheduler side
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManagerView) -> None:
         """Called once when the scheduler is built, with its KV cache manager. Read it, never
-        change it (e.g. an offloader looks at the free queue to find blocks about to be
-        evicted)."""
+        change it (e.g. an offloader asks for ``eviction_candidates`` to store blocks about to
+        be evicted)."""
 
     @abstractmethod
     def get_num_new_matched_tokens(
@@ -299,7 +306,7 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
         """Called after a successful allocation for every admitted waiting request (also with 0
         external tokens). Record which engine blocks receive the external tokens. For an async

@@ -22,7 +22,7 @@ from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorRole, supports_
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.kv_cache_config import KVCacheConfig
 
 
 class KVConnectorFactory:

@@ -9,7 +9,7 @@ each ``Worker`` through its methods only, as it would to a worker in another pro
 from __future__ import annotations
 
 from kvferry.config import EngineConfig
-from kvferry.core.kv_cache_config import KVCacheConfig
+from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.kv_transfer.aggregator import KVOutputAggregator
 from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
 from kvferry.step_types.runner_output import ModelRunnerOutput

@@ -17,7 +17,7 @@ import torch
 
 from kvferry import envs
 from kvferry.config import ConfigError, EngineConfig
-from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+from kvferry.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorHandshakeMetadata, KVConnectorRole
 from kvferry.kv_transfer.factory import KVConnectorFactory
 from kvferry.kv_transfer.trace import maybe_wrap

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from server_helpers import ENGINE_FLAGS, dead_port, scrape
 
 from kvferry.entrypoints.demo import Instance, start, wait_healthy, wait_listening
+from tests.helpers.servers import ENGINE_FLAGS, dead_port, scrape
 
 REPO = Path(__file__).resolve().parents[2]
 HEALTH_STALL_S = 5.0
@@ -166,9 +166,8 @@ def proxy_service(name: str, log_dir: Path, prefill: Service, decode: Service) -
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
-    tests = str(REPO / "tests")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.setdefault("KVFERRY_LOG_STATS_INTERVAL", "3600")
     env.update(extra or {})
     return env

@@ -24,8 +24,8 @@ def compat_of(model: Path, num_blocks: int = 128) -> handshake.Compat:
     computes (the number of blocks is not part of it)."""
     import torch
 
-    from kvferry.core.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
     from kvferry.engine.arg_utils import EngineArgs
+    from kvferry.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 
     config = EngineArgs(
         model=str(model), dtype="float32", max_model_len=512, max_num_batched_tokens=512

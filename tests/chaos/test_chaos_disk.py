@@ -12,7 +12,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from server_helpers import scrape
+from tests.helpers.servers import scrape
 
 from .harness import Attack, Service, run_attack
 

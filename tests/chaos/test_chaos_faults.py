@@ -3,7 +3,7 @@ tier, ``kv_load_failure_policy = recompute``): every answer must still be the ri
 
 from __future__ import annotations
 
-from server_helpers import scrape
+from tests.helpers.servers import scrape
 
 from .harness import Attack, Service, run_attack
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import psutil
-from server_helpers import dead_port
 
 from kvferry.kv_transfer.connectors.nixl import handshake
+from tests.helpers.servers import dead_port
 
 from .conftest import LEASE_S, nixl_kv
 from .harness import (
@@ -137,8 +137,12 @@ def test_forged_release(pd_up, pd_good) -> None:
 
     def attack(a: Attack) -> None:
         _, victim = prefill_hold(p, 2000)  # a hold the forged releases must not end
-        unsigned = {k: v for k, v in victim.items() if k != "kv_signature"}
+        taken = time.monotonic()
         for _ in a.rounds():
+            if time.monotonic() - taken > LEASE_S / 2:  # its lease would end it anyway
+                _, victim = prefill_hold(p, 2000)
+                taken = time.monotonic()
+            unsigned = {k: v for k, v in victim.items() if k != "kv_signature"}
             forged = [
                 {**unsigned, "remote_engine_id": uuid.uuid4().hex, "remote_port": dead_port()}
                 for _ in range(8)
@@ -156,6 +160,7 @@ def test_forged_release(pd_up, pd_good) -> None:
                 )
         a.details["victim_held_after"] = held(p)
         a.check(held(p) >= 1, "forged releases ended another client's hold")
+        _, victim = prefill_hold(p, 2000)  # fresh, so no lease ends it during the check
         before = held(p)
         t0 = time.monotonic()
         a.check(release(p.url, victim) == 200, "the genuine release failed")

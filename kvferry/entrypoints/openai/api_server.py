@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvferry import envs
 from kvferry.config import ConfigError
 from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
+from kvferry.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from kvferry.entrypoints.openai.http_utils import (
     BodyLimitMiddleware,
     EventStream,
@@ -59,7 +60,6 @@ from kvferry.entrypoints.openai.serving import (
     RequestFailedError,
 )
 from kvferry.logger import init_logger
-from kvferry.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = init_logger(__name__)
 M = TypeVar("M", bound=BaseModel)

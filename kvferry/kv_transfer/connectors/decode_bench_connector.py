@@ -24,8 +24,8 @@ from kvferry.kv_transfer.options import parse_options
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks
+    from kvferry.kv_cache_config import KVCacheConfig
+    from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
     from kvferry.step_types.scheduler_output import SchedulerOutput
@@ -72,7 +72,7 @@ class DecodeBenchConnector(KVConnectorBase, SupportsHMA):
         return max(0, request.num_tokens - 1 - num_computed_tokens), False
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
         if num_external_tokens <= 0:
             return

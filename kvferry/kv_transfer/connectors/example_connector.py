@@ -36,8 +36,8 @@ from kvferry.logger import init_logger
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks
+    from kvferry.kv_cache_config import KVCacheConfig
+    from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
     from kvferry.step_types.scheduler_output import SchedulerOutput
@@ -135,7 +135,7 @@ class ExampleConnector(KVConnectorBase):
         return max(0, n - num_computed_tokens), False
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
         # The longest prefix a later lookup of this very prompt may use (it never offers the
         # last token), so a block-aligned prompt stores one block less than it computed.

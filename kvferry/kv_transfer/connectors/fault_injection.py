@@ -67,8 +67,8 @@ from kvferry.logger import init_logger
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvferry.kv_cache_config import KVCacheConfig
+    from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView, KVCacheManagerView
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
     from kvferry.step_types.kv_connector_output import KVConnectorOutput
@@ -266,7 +266,7 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
         self.counts[what] = self.counts.get(what, 0) + 1
 
     # ---------------------------------------------------------------- scheduler side
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManagerView) -> None:
         self.inner.bind_kv_cache_manager(kv_cache_manager)
 
     def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
@@ -281,7 +281,7 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
         return count, is_async
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
         self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
         rid = request.request_id
@@ -292,7 +292,12 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
         self._hook("update_state_after_alloc")
 
     def _plan_load(
-        self, request: Request, blocks: KVCacheBlocks, num_external: int, start: int, is_async: bool
+        self,
+        request: Request,
+        blocks: KVCacheBlocksView,
+        num_external: int,
+        start: int,
+        is_async: bool,
     ) -> None:
         o, bs = self.options, self.block_size
         index, self._num_loads = self._num_loads, self._num_loads + 1

@@ -30,8 +30,8 @@ from kvferry.kv_transfer.factory import KVConnectorFactory
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvferry.kv_cache_config import KVCacheConfig
+    from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView, KVCacheManagerView
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
     from kvferry.step_types.kv_connector_output import KVConnectorOutput
@@ -134,7 +134,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         return 0, False
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
         chosen = self._chosen.pop(request.request_id, None)
         for i, child in enumerate(self.children):
@@ -194,7 +194,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             self._extra_async_saves[req_id] = delays - 1
         return delays > 0, merged or None
 
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManagerView) -> None:
         for child in self.children:
             child.bind_kv_cache_manager(kv_cache_manager)
 

@@ -35,7 +35,7 @@ from kvferry.kv_transfer.options import parse_options
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.kv_cache_config import KVCacheConfig
 
 
 class OffloadingConnector(OffloadConnectorBase):

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from kvferry.kv_cache_config import KVCacheConfig
+    from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView, KVCacheManagerView
     from kvferry.model.forward_context import ForwardContext
     from kvferry.request import Request
     from kvferry.step_types.kv_connector_output import KVConnectorOutput
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 class SchedulerHalf(ABC):
     """The scheduler-role logic of a split connector; defaults are the protocol's no-ops."""
 
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManagerView) -> None:
         return None
 
     def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
@@ -59,7 +59,7 @@ class SchedulerHalf(ABC):
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None: ...
 
     @abstractmethod
@@ -280,7 +280,7 @@ class SplitConnector(KVConnectorBase, Generic[SchedulerT, WorkerT]):
         return self._worker_side("get_handshake_metadata").get_handshake_metadata()
 
     # -- scheduler side ---------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManagerView) -> None:
         scheduler = self._scheduler_side("bind_kv_cache_manager")
         scheduler.bind_kv_cache_manager(kv_cache_manager)
 
@@ -294,7 +294,7 @@ class SplitConnector(KVConnectorBase, Generic[SchedulerT, WorkerT]):
         return scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
         scheduler = self._scheduler_side("update_state_after_alloc")
         scheduler.update_state_after_alloc(request, blocks, num_external_tokens)

@@ -42,7 +42,7 @@ from kvferry.config import ConfigError
 from kvferry.kv_transfer.secret import DeploymentSecret, load_deployment_secret
 
 if TYPE_CHECKING:
-    from kvferry.kv_transfer.connectors.nixl.metadata import NixlOptions
+    from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
 
 MAC_BYTES = 32
 NONCE_BYTES = 16

@@ -56,9 +56,8 @@ from kvferry.kv_transfer.base import KVConnectorMetadata, KVConnectorRole
 from kvferry.kv_transfer.connectors.nixl.auth import check_exposure, load_peer_auth
 from kvferry.kv_transfer.connectors.nixl.metadata import (
     NixlConnectorMetadata,
-    NixlOptions,
-    side_channel_address,
 )
+from kvferry.kv_transfer.connectors.nixl.options import NixlOptions, side_channel_address
 from kvferry.kv_transfer.connectors.nixl.scheduler import NixlConnectorScheduler
 from kvferry.kv_transfer.connectors.split import SplitConnector
 from kvferry.kv_transfer.options import parse_options
@@ -66,7 +65,7 @@ from kvferry.logger import init_logger
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.kv_cache_config import KVCacheConfig
     from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
 
 logger = init_logger(__name__)

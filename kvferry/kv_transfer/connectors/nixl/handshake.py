@@ -52,7 +52,7 @@ from kvferry.kv_transfer.connectors.nixl.params import (
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.kv_cache_config import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ class Compat:
 
     @staticmethod
     def of(config: EngineConfig, kv_cache_config: KVCacheConfig) -> Compat:
-        from kvferry import __version__
         from kvferry.model.fingerprint import weights_fingerprint
+        from kvferry.version import __version__
 
         mc = config.model_config
         arch = hashlib.sha256(repr(mc.arch).encode()).hexdigest()[:12]

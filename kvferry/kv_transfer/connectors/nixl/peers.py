@@ -50,7 +50,8 @@ from kvferry.kv_transfer.connectors.nixl.handshake import (
     Renewed,
     endpoint,
 )
-from kvferry.kv_transfer.connectors.nixl.metadata import NixlOptions, RecvSpec, RemoteRef
+from kvferry.kv_transfer.connectors.nixl.metadata import RecvSpec, RemoteRef
+from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,8 @@ from kvferry.kv_transfer.connectors.nixl.handshake import (
     ReadDone,
     Renewed,
 )
-from kvferry.kv_transfer.connectors.nixl.metadata import NixlOptions, RecvSpec, RemoteRef
+from kvferry.kv_transfer.connectors.nixl.metadata import RecvSpec, RemoteRef
+from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
 from kvferry.kv_transfer.connectors.nixl.peers import Addr, PeerClient, addr_of
 
 logger = logging.getLogger(__name__)

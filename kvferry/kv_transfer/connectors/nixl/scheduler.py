@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING, Any
 from kvferry.kv_transfer.connectors.nixl.metadata import (
     NixlConnectorMetadata,
     NixlHandshakeMetadata,
-    NixlOptions,
     NixlWorkerMeta,
     RecvSpec,
     ReleaseSpec,
     RemoteRef,
     SendSpec,
-    side_channel_address,
 )
+from kvferry.kv_transfer.connectors.nixl.options import NixlOptions, side_channel_address
 from kvferry.kv_transfer.connectors.nixl.params import (
     ParamsError,
     RemoteParams,
@@ -51,10 +50,10 @@ from kvferry.request import RequestStatus
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
-    from kvferry.core.kv_cache_manager import KVCacheBlocks
+    from kvferry.kv_cache_config import KVCacheConfig
     from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
     from kvferry.kv_transfer.connectors.nixl.auth import PeerAuth
+    from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView
     from kvferry.request import Request
     from kvferry.step_types.kv_connector_output import KVConnectorOutput
     from kvferry.step_types.scheduler_output import SchedulerOutput
@@ -173,7 +172,7 @@ class NixlConnectorScheduler(SchedulerHalf):
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
         rid = request.request_id
         side = self._side(request)

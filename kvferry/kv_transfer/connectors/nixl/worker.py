@@ -47,16 +47,15 @@ from kvferry.kv_transfer.connectors.nixl.lease import LeaseTable
 from kvferry.kv_transfer.connectors.nixl.metadata import (
     NixlConnectorMetadata,
     NixlHandshakeMetadata,
-    NixlOptions,
     NixlWorkerMeta,
-    side_channel_address,
 )
+from kvferry.kv_transfer.connectors.nixl.options import NixlOptions, side_channel_address
 from kvferry.kv_transfer.connectors.nixl.reader import Reader
 from kvferry.kv_transfer.connectors.split import WorkerHalf
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.kv_cache_config import KVCacheConfig
     from kvferry.model.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)

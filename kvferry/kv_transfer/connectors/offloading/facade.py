@@ -13,7 +13,7 @@ from kvferry.kv_transfer.connectors.split import SplitConnector
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
-    from kvferry.core.kv_cache_config import KVCacheConfig
+    from kvferry.kv_cache_config import KVCacheConfig
 
 
 class OffloadConnectorBase(SplitConnector[OffloadingConnectorScheduler, OffloadingConnectorWorker]):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvferry.core.kv_cache_config import KVCacheConfig
+from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.kv_transfer.connectors.offloading.options import OffloadingOptions
 from kvferry.kv_transfer.offload.disk import (
     DEFAULT_READ_TIMEOUT_S,

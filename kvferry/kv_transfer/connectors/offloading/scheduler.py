@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.core.kv_cache_config import KVCacheConfig
-from kvferry.core.kv_cache_manager import KVCacheBlocks
+from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.kv_transfer.base import KVConnectorStats
 from kvferry.kv_transfer.connectors.offloading.job_book import JobBook
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
@@ -33,6 +32,7 @@ from kvferry.kv_transfer.connectors.offloading.state import (
 )
 from kvferry.kv_transfer.connectors.offloading.worker_metadata import OffloadWorkerMetadata
 from kvferry.kv_transfer.connectors.split import SchedulerHalf
+from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView
 from kvferry.kv_transfer.offload.jobs import JobKind, TransferJob
 from kvferry.kv_transfer.offload.manager import LookupStatus, TieredOffloadingManager
 from kvferry.kv_transfer.offload.policies import Key, policy_class
@@ -172,7 +172,7 @@ class OffloadingConnectorScheduler(SchedulerHalf):
         return hits, waiting
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
         record = self._requests.setdefault(req_id, OffloadRequest(request))

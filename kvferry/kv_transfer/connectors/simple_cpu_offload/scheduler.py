@@ -7,14 +7,13 @@ until the allocation. What the preset adds:
 
 * all of a step's loads form one load event and all its stores one store event;
 * lazy mode: instead of every block a step completes, store the cached blocks the engine
-  would evict next (:meth:`KVCacheManager.eviction_candidates`), ``lazy_window_blocks`` of
+  would evict next (:meth:`KVCacheManagerView.eviction_candidates`), ``lazy_window_blocks`` of
   them.
 """
 
 from __future__ import annotations
 
-from kvferry.core.kv_cache_config import KVCacheConfig
-from kvferry.core.kv_cache_manager import KVCacheManager
+from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
 from kvferry.kv_transfer.connectors.offloading.options import OffloadingOptions
 from kvferry.kv_transfer.connectors.offloading.plans import ChunkTransfer, RequestTransfer
@@ -24,6 +23,7 @@ from kvferry.kv_transfer.connectors.offloading.scheduler import (
 )
 from kvferry.kv_transfer.connectors.simple_cpu_offload.metadata import SimpleCPUOffloadMetadata
 from kvferry.kv_transfer.connectors.simple_cpu_offload.options import SimpleCPUOffloadOptions
+from kvferry.kv_transfer.kv_cache_view import KVCacheManagerView
 from kvferry.kv_transfer.offload.policies import Key
 from kvferry.step_types.scheduler_output import SchedulerOutput
 
@@ -47,9 +47,9 @@ class SimpleCPUOffloadConnectorScheduler(OffloadingConnectorScheduler):
         super().__init__(preset, layout, kv_cache_config, world_size, name)
         self.lazy = opts.lazy_offload
         self.lazy_window = opts.lazy_window_blocks or max(1, kv_cache_config.num_blocks // 8)
-        self._kv_cache_manager: KVCacheManager | None = None
+        self._kv_cache_manager: KVCacheManagerView | None = None
 
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManagerView) -> None:
         self._kv_cache_manager = kv_cache_manager
 
     def _new_meta(self, scheduler_output: SchedulerOutput) -> SimpleCPUOffloadMetadata:
