@@ -164,10 +164,14 @@ def test_forged_release(pd_up, pd_good) -> None:
         before = held(p)
         t0 = time.monotonic()
         a.check(release(p.url, victim) == 200, "the genuine release failed")
-        while held(p) > before - 1 and time.monotonic() - t0 < 1.0:
-            time.sleep(0.02)
+        # Good requests make and end holds meanwhile: look for the drop, do not re-read after.
+        freed = False
+        while not freed and time.monotonic() - t0 < 1.0:
+            freed = held(p) <= before - 1
+            if not freed:
+                time.sleep(0.02)
         a.details["genuine_release_freed_after_s"] = round(time.monotonic() - t0, 3)
-        a.check(held(p) <= before - 1, "a genuine release's 200 came before its blocks were back")
+        a.check(freed, "a genuine release's 200 came before its blocks were back")
 
     r = run_attack(
         "forged_release",
