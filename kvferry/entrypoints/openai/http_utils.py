@@ -147,9 +147,9 @@ class BodyLimitMiddleware:
             with contextlib.suppress(_ClientGone, asyncio.TimeoutError):
                 await asyncio.wait_for(self._drain(receive), _DRAIN_S)
             msg = f"the request body is larger than the limit of {self.max_bytes} bytes"
-            await error_response(413, msg, "invalid_request_error", close=True)(
-                scope, receive, send
-            )
+            # No close here: closing with the rest of a big body unread resets the connection,
+            # and the client would never read the 413.
+            await error_response(413, msg, "invalid_request_error")(scope, receive, send)
             return
         except asyncio.TimeoutError:
             msg = f"the request body did not arrive within {self.timeout_s:g} s"
