@@ -14,6 +14,7 @@ reference every later answer is compared with.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,9 +44,25 @@ def _secret_env(tmp: Path) -> dict[str, str]:
     return {"KVFERRY_KV_SECRET_FILE": str(path)}
 
 
-def _stop(*services: Service) -> None:
-    for s in services:
-        s.stop()
+@contextlib.contextmanager
+def _running(*services: Service) -> Iterator[None]:
+    """Start ``services`` together; stop them in reverse order, whatever happens."""
+    try:
+        start_all(*services)
+        yield
+    finally:
+        for s in reversed(services):
+            s.stop()
+
+
+@contextlib.contextmanager
+def _good_client(*args: Any, **kwargs: Any) -> Iterator[GoodClient]:
+    good = GoodClient(*args, **kwargs)
+    try:
+        good.warm_up()
+        yield good
+    finally:
+        good.close()
 
 
 @pytest.fixture(scope="package")
@@ -58,11 +75,8 @@ def single(chaos_model, tmp_path_factory) -> Iterator[Service]:
     logs = tmp_path_factory.mktemp("chaos-single")
     timeouts = ["--header-timeout", HEADER_TIMEOUT, "--body-read-timeout", HEADER_TIMEOUT]
     svc = serve_service("single", chaos_model, logs, *timeouts)
-    try:
-        start_all(svc)
+    with _running(svc):
         yield svc
-    finally:
-        _stop(svc)
 
 
 @pytest.fixture()
@@ -73,10 +87,10 @@ def single_up(single) -> Service:
 
 @pytest.fixture(scope="package")
 def single_good(single) -> Iterator[GoodClient]:
-    good = GoodClient(lambda: single.url, [token_ids(48, 1), token_ids(40, 2)], name="single")
-    good.warm_up()
-    yield good
-    good.close()
+    with _good_client(
+        lambda: single.url, [token_ids(48, 1), token_ids(40, 2)], name="single"
+    ) as good:
+        yield good
 
 
 def nixl_kv(kv_port: int) -> dict[str, Any]:
@@ -100,11 +114,8 @@ def pd(chaos_model, tmp_path_factory) -> Iterator[dict[str, Service]]:
     )
     d = serve_service("decode", chaos_model, logs, kv=nixl_kv(free_port()), num_blocks=128, env=env)
     proxy = proxy_service("proxy", logs, p, d)
-    try:
-        start_all(p, d, proxy)
+    with _running(p, d, proxy):
         yield {"prefill": p, "decode": d, "proxy": proxy}
-    finally:
-        _stop(proxy, d, p)
 
 
 @pytest.fixture()
@@ -118,10 +129,10 @@ def pd_up(pd) -> dict[str, Service]:
 @pytest.fixture(scope="package")
 def pd_good(pd) -> Iterator[GoodClient]:
     # Prompts of several blocks, so every request moves KV from prefill to decode.
-    good = GoodClient(lambda: pd["proxy"].url, [token_ids(48, 3), token_ids(64, 4)], name="pd")
-    good.warm_up()
-    yield good
-    good.close()
+    with _good_client(
+        lambda: pd["proxy"].url, [token_ids(48, 3), token_ids(64, 4)], name="pd"
+    ) as good:
+        yield good
 
 
 DISK_PROMPTS = 6  # each 10 blocks: together more than the pool and the host tier hold
@@ -144,11 +155,8 @@ def disk(chaos_model, tmp_path_factory) -> Iterator[Service]:
     }
     svc = serve_service("disk", chaos_model, logs, kv=kv, num_blocks=40, env=_secret_env(logs))
     svc.env["CHAOS_DISK_FOLDER"] = str(folder)
-    try:
-        start_all(svc)
+    with _running(svc):
         yield svc
-    finally:
-        _stop(svc)
 
 
 @pytest.fixture()
@@ -162,13 +170,11 @@ def disk_good(disk) -> Iterator[GoodClient]:
     """Cycles through prompts that together overflow the KV pool and the host tier, so every
     request (after the first round) loads its prompt from the disk tier."""
     prompts = [token_ids(160, 10 + i) for i in range(DISK_PROMPTS)]
-    good = GoodClient(lambda: disk.url, prompts, salted=False, name="disk")
-    good.warm_up()
-    again = good.run(DISK_PROMPTS)  # read back from disk: it must match the first round
-    bad = [s for s in again if not s.ok or good.wrong(s)]
-    assert not bad, f"the disk tier gave other answers before any attack: {bad}"
-    yield good
-    good.close()
+    with _good_client(lambda: disk.url, prompts, salted=False, name="disk") as good:
+        again = good.run(DISK_PROMPTS)  # read back from disk: it must match the first round
+        bad = [s for s in again if not s.ok or good.wrong(s)]
+        assert not bad, f"the disk tier gave other answers before any attack: {bad}"
+        yield good
 
 
 # Loads from this index on are failed or corrupted, alternately: the warm-up round loads
@@ -195,18 +201,13 @@ def faulty(chaos_model, tmp_path_factory) -> Iterator[Service]:
         },
     }
     svc = serve_service("faulty", chaos_model, logs, kv=kv, num_blocks=40)
-    try:
-        start_all(svc)
+    with _running(svc):
         yield svc
-    finally:
-        _stop(svc)
 
 
 @pytest.fixture(scope="package")
 def faulty_good(faulty) -> Iterator[GoodClient]:
     """Like the disk client: every request after the first round loads from the host tier."""
     prompts = [token_ids(160, 20 + i) for i in range(DISK_PROMPTS)]
-    good = GoodClient(lambda: faulty.url, prompts, salted=False, name="faulty")
-    good.warm_up()
-    yield good
-    good.close()
+    with _good_client(lambda: faulty.url, prompts, salted=False, name="faulty") as good:
+        yield good

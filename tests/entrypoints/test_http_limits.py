@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.servers import ready, start_server, stop
+from tests.helpers.servers import serving
 
 LIMIT_FLAGS = [
     "--max-request-body-bytes",
@@ -31,13 +31,8 @@ LIMIT_FLAGS = [
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("limits")
-    inst = start_server("limits", tiny_model_factory("llama"), logs, None, *LIMIT_FLAGS)
-    try:
-        ready(inst)
+    with serving("limits", tiny_model_factory("llama"), logs, None, *LIMIT_FLAGS) as inst:
         yield inst
-    finally:
-        stop([inst])
-        assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
 
 
 def _addr(server) -> tuple[str, int]:

@@ -18,7 +18,7 @@ from kvferry import LLM, SamplingParams
 from kvferry.config import ConfigError
 from kvferry.entrypoints.openai.prompt_bound import max_chars_per_token, max_chars_per_token_in
 from kvferry.sampling_params import MIN_TOP_P
-from tests.helpers.servers import OFFLINE_KW, ready, start_server, stop
+from tests.helpers.servers import OFFLINE_KW, serving
 
 # -- SamplingParams (the Python API) ----------------------------------------------------------
 
@@ -145,13 +145,8 @@ def test_char_bound_counts_composition() -> None:
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("intake")
-    inst = start_server("intake", tiny_model_factory("llama"), logs)
-    try:
-        ready(inst)
+    with serving("intake", tiny_model_factory("llama"), logs) as inst:
         yield inst
-    finally:
-        stop([inst])
-        assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
 
 
 def _post(server, body: dict | str | bytes, path: str = "/v1/completions", timeout: float = 60):

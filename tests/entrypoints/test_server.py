@@ -11,15 +11,7 @@ import openai
 import pytest
 
 from kvferry import LLM, SamplingParams
-from tests.helpers.servers import (
-    OFFLINE_KW,
-    metric,
-    pd_kv_config,
-    ready,
-    start_server,
-    stop,
-    wait_for,
-)
+from tests.helpers.servers import OFFLINE_KW, metric, pd_kv_config, serving, wait_for
 
 KEY = "test-key"
 PROMPTS = ["The ferry crossed the river at dawn", "A short note on caches:"]
@@ -33,13 +25,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def server(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server")
     kv = pd_kv_config(logs / "store")
-    inst = start_server("server", tiny_model_factory("llama"), logs, kv, "--api-key", KEY)
-    try:
-        ready(inst)
+    with serving("server", tiny_model_factory("llama"), logs, kv, "--api-key", KEY) as inst:
         yield inst
-    finally:
-        stop([inst])
-        assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")

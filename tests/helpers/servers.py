@@ -3,10 +3,11 @@ loopback ports (port 0; the process prints the address it got)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,21 @@ def start_server(
     if kv is not None:
         argv += ["--kv-transfer-config", json.dumps(kv)]
     return start(name, [*argv, *extra], log_dir, env=_env())
+
+
+@contextlib.contextmanager
+def serving(
+    name: str, model: Path, log_dir: Path, kv: dict[str, Any] | None = None, *extra: str
+) -> Iterator[Instance]:
+    """A ready ``kvferry serve`` (see :func:`start_server`), stopped on exit; its log must end
+    without a traceback."""
+    inst = start_server(name, model, log_dir, kv, *extra)
+    try:
+        ready(inst)
+        yield inst
+    finally:
+        stop([inst])
+        assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
 
 
 def start_proxy(name: str, log_dir: Path, prefill: list[str], decode: list[str]) -> Instance:

@@ -5,7 +5,6 @@ byte, and the reader's failure paths with a fake transport."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -13,7 +12,6 @@ import pytest
 import torch
 import zmq
 
-from kvferry.config import KVTransferConfig
 from kvferry.kv_transfer.base import KVConnectorRole
 from kvferry.kv_transfer.connectors.nixl import handshake as hs
 from kvferry.kv_transfer.connectors.nixl.connector import NixlConnector
@@ -26,6 +24,7 @@ from kvferry.kv_transfer.connectors.nixl.params import (
     request_side,
     token_digest,
 )
+from tests.helpers.nixl_config import nixl_engine_config
 from tests.helpers.scheduler import make_kv_cache_config
 
 GOOD = {
@@ -216,21 +215,6 @@ def test_lease_completion_and_release():
 # -- two workers, one real NIXL READ ---------------------------------------------------------
 
 
-def _worker_config(engine_id: str, **extra: Any) -> Any:
-    kvt = KVTransferConfig(
-        kv_connector="NixlConnector",
-        kv_role="kv_both",
-        engine_id=engine_id,
-        kv_connector_extra_config={"side_channel_port": 0, **extra},
-    )
-    arch = SimpleNamespace(architecture="LlamaForCausalLM", layers=2)
-    return SimpleNamespace(
-        kv_transfer_config=kvt,
-        model_config=SimpleNamespace(model="/m/tiny", arch=arch),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
-
-
 def test_worker_to_worker_read_moves_exactly_the_named_blocks(monkeypatch):
     pytest.importorskip("nixl", reason="needs the nixl package (extra 'nixl')")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
@@ -238,8 +222,8 @@ def test_worker_to_worker_read_moves_exactly_the_named_blocks(monkeypatch):
     shape = (2, 32, 16, 1, 8)
     src = {"model.layers.0.self_attn": torch.randn(shape)}
     dst = {"model.layers.0.self_attn": torch.zeros(shape)}
-    p = NixlConnector(_worker_config("eng-P"), KVConnectorRole.WORKER, kvc)
-    d = NixlConnector(_worker_config("eng-D"), KVConnectorRole.WORKER, kvc)
+    p = NixlConnector(nixl_engine_config("eng-P"), KVConnectorRole.WORKER, kvc)
+    d = NixlConnector(nixl_engine_config("eng-D"), KVConnectorRole.WORKER, kvc)
     try:
         p.register_kv_caches(src)
         d.register_kv_caches(dst)

@@ -37,6 +37,7 @@ from kvferry.kv_transfer.connectors.nixl.params import ParamsError, ParamsProof,
 from kvferry.kv_transfer.connectors.nixl.scheduler import NixlConnectorScheduler
 from kvferry.kv_transfer.secret import DeploymentSecret
 from kvferry.model.fingerprint import weights_fingerprint
+from tests.helpers.nixl_config import nixl_engine_config
 from tests.helpers.scheduler import make_kv_cache_config
 
 SECRET = DeploymentSecret(b"s3cret-for-the-tests-0123456789", "test")
@@ -285,42 +286,26 @@ def test_params_signed_elsewhere_or_expired_are_refused() -> None:
 # -- start-up policy --------------------------------------------------------------------------
 
 
-def _config(host: str, **extra: Any) -> Any:
-    kvt = KVTransferConfig(
-        kv_connector="NixlConnector",
-        kv_role="kv_both",
-        engine_id="eng-x",
-        kv_ip=host,
-        kv_connector_extra_config={"side_channel_port": 0, **extra},
-    )
-    arch = SimpleNamespace(architecture="LlamaForCausalLM", layers=2)
-    return SimpleNamespace(
-        kv_transfer_config=kvt,
-        model_config=SimpleNamespace(model="/m/tiny", arch=arch),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
-
-
 def test_no_unauthenticated_side_channel_beyond_loopback(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("KVFERRY_KV_SECRET", raising=False)
     monkeypatch.delenv("KVFERRY_KV_SECRET_FILE", raising=False)
     kvc = make_kv_cache_config(32)
     role = KVConnectorRole.SCHEDULER
     with pytest.raises(ConfigError, match="allow_unauthenticated: true"):
-        NixlConnector(_config("0.0.0.0"), role, kvc)
+        NixlConnector(nixl_engine_config("eng-x", "0.0.0.0"), role, kvc)
     with pytest.raises(ConfigError, match="KVFERRY_KV_SECRET_FILE"):
-        NixlConnector(_config("10.1.2.3"), role, kvc)
-    NixlConnector(_config("0.0.0.0", allow_unauthenticated=True), role, kvc)
-    NixlConnector(_config("127.0.0.1"), role, kvc)
+        NixlConnector(nixl_engine_config("eng-x", "10.1.2.3"), role, kvc)
+    NixlConnector(nixl_engine_config("eng-x", "0.0.0.0", allow_unauthenticated=True), role, kvc)
+    NixlConnector(nixl_engine_config("eng-x", "127.0.0.1"), role, kvc)
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET.value + b"\n")
-    conn = NixlConnector(_config("0.0.0.0", secret_file=str(secret)), role, kvc)
+    conn = NixlConnector(nixl_engine_config("eng-x", "0.0.0.0", secret_file=str(secret)), role, kvc)
     assert conn.connector_scheduler is not None and conn.connector_scheduler.signer is not None
     monkeypatch.setenv("KVFERRY_KV_SECRET_FILE", str(secret))
-    NixlConnector(_config("10.1.2.3"), role, kvc)
+    NixlConnector(nixl_engine_config("eng-x", "10.1.2.3"), role, kvc)
     with pytest.raises(ConfigError, match="at least 16"):
         secret.write_bytes(b"short")
-        NixlConnector(_config("127.0.0.1"), role, kvc)
+        NixlConnector(nixl_engine_config("eng-x", "127.0.0.1"), role, kvc)
 
 
 def _hold_and_read(p: NixlConnector, d: NixlConnector, signer: ParamsSigner, port: int) -> tuple:
@@ -364,14 +349,18 @@ def test_two_agents_with_a_secret_read_and_warn_only_without(tmp_path, monkeypat
     shape = (2, 16, 16, 1, 8)
     role = KVConnectorRole.WORKER
     with caplog.at_level(logging.WARNING):
-        d_plain = NixlConnector(_config("127.0.0.1"), role, kvc)
+        d_plain = NixlConnector(nixl_engine_config("eng-x", "127.0.0.1"), role, kvc)
     warned = [r for r in caplog.records if "not authenticated" in r.getMessage()]
     assert len(warned) == 1
     d_plain.shutdown()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        p = NixlConnector(_config("127.0.0.1", secret_file=str(secret)), role, kvc)
-        d = NixlConnector(_config("127.0.0.1", secret_file=str(secret)), role, kvc)
+        p = NixlConnector(
+            nixl_engine_config("eng-x", "127.0.0.1", secret_file=str(secret)), role, kvc
+        )
+        d = NixlConnector(
+            nixl_engine_config("eng-x", "127.0.0.1", secret_file=str(secret)), role, kvc
+        )
     assert not [r for r in caplog.records if "not authenticated" in r.getMessage()]
     src = {"model.layers.0.self_attn": torch.randn(shape)}
     dst = {"model.layers.0.self_attn": torch.zeros(shape)}

@@ -21,7 +21,6 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -30,7 +29,6 @@ import torch
 import zmq
 
 from kvferry import EngineArgs
-from kvferry.config import KVTransferConfig
 from kvferry.engine.async_llm import AsyncLLM
 from kvferry.kv_transfer.base import KVConnectorRole
 from kvferry.kv_transfer.connectors.nixl import handshake as hs
@@ -46,6 +44,7 @@ from kvferry.kv_transfer.connectors.nixl.metadata import (
 from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
 from kvferry.kv_transfer.connectors.nixl.params import token_digest
 from kvferry.kv_transfer.connectors.nixl.peers import PeerClient, _Slots
+from tests.helpers.nixl_config import nixl_engine_config
 from tests.helpers.nixl_instance import (
     Instance,
     assert_all_free,
@@ -258,21 +257,6 @@ def test_idle_agent_sleeps_and_ucx_listens_only_on_loopback(monkeypatch):
         transport.close()
 
 
-def _worker_config(engine_id: str) -> Any:
-    kvt = KVTransferConfig(
-        kv_connector="NixlConnector",
-        kv_role="kv_both",
-        engine_id=engine_id,
-        kv_connector_extra_config={"side_channel_port": 0},
-    )
-    arch = SimpleNamespace(architecture="LlamaForCausalLM", layers=2)
-    return SimpleNamespace(
-        kv_transfer_config=kvt,
-        model_config=SimpleNamespace(model="/m/tiny", arch=arch),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
-
-
 def test_reads_still_work_with_the_derived_ucx_settings(monkeypatch):
     """No UCX_NET_DEVICES from the user: the connector's own (loopback) choice transfers."""
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
@@ -280,8 +264,8 @@ def test_reads_still_work_with_the_derived_ucx_settings(monkeypatch):
     shape = (2, 32, 16, 1, 8)
     src = {"model.layers.0.self_attn": torch.randn(shape)}
     dst = {"model.layers.0.self_attn": torch.zeros(shape)}
-    p = NixlConnector(_worker_config("fair-P"), KVConnectorRole.WORKER, kvc)
-    d = NixlConnector(_worker_config("fair-D"), KVConnectorRole.WORKER, kvc)
+    p = NixlConnector(nixl_engine_config("fair-P"), KVConnectorRole.WORKER, kvc)
+    d = NixlConnector(nixl_engine_config("fair-D"), KVConnectorRole.WORKER, kvc)
     try:
         p.register_kv_caches(src)
         d.register_kv_caches(dst)
