@@ -19,6 +19,7 @@ from kvferry.core.outputs import EngineCoreOutput
 from kvferry.core.scheduler import Scheduler
 from kvferry.engine.arg_utils import EngineArgs
 from kvferry.engine.output_processor import OutputProcessor
+from kvferry.engine.prompt_checks import check_prompt_ids, check_stop_token_ids
 from kvferry.kv_transfer.base import KVConnectorRole, KVConnectorStats, KVConnectorStatsTotals
 from kvferry.kv_transfer.factory import KVConnectorFactory
 from kvferry.kv_transfer.trace import maybe_wrap
@@ -148,21 +149,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"expected SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
-        max_len = self.config.model_config.max_len
-        vocab = self.config.model_config.arch.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ConfigError(f"stop_token_ids must be in [0, {vocab})")
-        if not ids:
-            raise ConfigError("the prompt is empty")
-        if len(ids) >= max_len:
-            raise ConfigError(
-                f"the prompt has {len(ids)} tokens; it must be shorter than "
-                f"max_model_len={max_len} to leave room for output"
-            )
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ConfigError(
-                f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}"
-            )
+        mc = self.config.model_config
+        check_stop_token_ids(params, mc.arch.vocab_size)
+        check_prompt_ids(ids, mc.max_len, mc.arch.vocab_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.scheduler.get_request(request_id) is not None:
             raise ConfigError(f"request id {request_id!r} is already in use")

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from kvferry.config import ConfigError
 from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError
+from kvferry.engine.prompt_checks import check_prompt_ids, check_stop_token_ids
 from kvferry.entrypoints.openai.http_utils import EventStream, error_body, sse
 from kvferry.entrypoints.openai.limits import ServerLimits
 from kvferry.entrypoints.openai.prompt_bound import max_chars_per_token_in
@@ -207,37 +208,16 @@ class OpenAIServing:
         return {"prompt": text, "prompt_token_ids": ids}
 
     def _check_tokens(self, ids: list[int], params: SamplingParams, param: str) -> None:
-        """The checks the engine would make, as 400s naming the parameter, plus vLLM's:
-        ``max_tokens`` must fit in what the prompt leaves of the context."""
-        n, max_len = len(ids), self.max_model_len
-        if not n:
-            raise InvalidParamError(param, "the prompt is empty")
-        if n >= max_len:
-            raise InvalidParamError(
-                param,
-                f"This model's maximum context length is {max_len} tokens, and the prompt has "
-                f"{n}; it must be shorter to leave room for output.",
-            )
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise InvalidParamError(
-                param,
-                f"prompt token ids must be in [0, {self.vocab_size}); got {min(ids)}..{max(ids)}",
-            )
-        m = params.max_tokens
+        """The engine's prompt checks, plus vLLM's server rule: ``max_tokens`` must fit in
+        what the prompt leaves of the context."""
+        check_prompt_ids(ids, self.max_model_len, self.vocab_size, param)
+        n, max_len, m = len(ids), self.max_model_len, params.max_tokens
         if m is not None and n + m > max_len:
             raise InvalidParamError(
                 "max_tokens",
                 f"This model's maximum context length is {max_len} tokens. The prompt has {n} "
                 f"tokens and max_tokens asks for {m} more, {n + m} in all; ask for at most "
                 f"{max_len - n} or shorten the prompt.",
-            )
-
-    def _check_params(self, params: SamplingParams) -> None:
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise InvalidParamError(
-                "stop_token_ids",
-                f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[0]}",
             )
 
     def check_model(self, name: str | None) -> None:
@@ -324,7 +304,7 @@ class OpenAIServing:
         self.check_model(body.model)
         texts = body.prompts(self.limits.max_prompts_per_request)
         params = body.to_sampling_params(self.limits)
-        self._check_params(params)
+        check_stop_token_ids(params, self.vocab_size)
         limit = self._prompt_char_limit()
         for i, p in enumerate(texts):
             if isinstance(p, str):
@@ -366,7 +346,7 @@ class OpenAIServing:
         self.check_model(body.model)
         messages = body.chat_messages()
         params = body.to_sampling_params(self.limits)
-        self._check_params(params)
+        check_stop_token_ids(params, self.vocab_size)
         chars = sum(len(m["content"]) for m in messages)
         if self.limits.max_prompt_chars is not None and chars > self.limits.max_prompt_chars:
             raise InvalidParamError(
