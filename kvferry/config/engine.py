@@ -1,0 +1,124 @@
+"""The engine's own settings (cache, scheduler, parallel, device), EngineConfig that ties them
+to the model and KV transfer configs, and the scheduler's check against the allocated pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvferry.config.errors import ConfigError
+from kvferry.config.kv_transfer import KVTransferConfig
+from kvferry.config.model import ModelConfig
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes for the KV pool
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ConfigError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+    torch_device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but no CUDA device is available")
+        if not (name == "cpu" or name.startswith("cuda")):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        self.torch_device = torch.device(name)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine instance needs; built from EngineArgs and cross-checked here."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    kv_transfer_config: KVTransferConfig | None = None
+    log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        sc, mc = self.scheduler_config, self.model_config
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_len:
+            raise ConfigError(
+                f"with chunked prefill off, max_num_batched_tokens "
+                f"({sc.max_num_batched_tokens}) must be >= max_model_len ({mc.max_len})"
+            )
+        kvt = self.kv_transfer_config
+        if kvt is not None and kvt.kv_connector is None:
+            self.kv_transfer_config = None
+        if self.cache_config.num_kv_blocks is not None:
+            need = -(-mc.max_len // self.cache_config.block_size)
+            if self.cache_config.num_kv_blocks < need:
+                raise ConfigError(
+                    f"num_kv_blocks={self.cache_config.num_kv_blocks} cannot hold one request "
+                    f"of max_model_len={mc.max_len} ({need} blocks of {self.cache_config.block_size} "
+                    f"tokens needed); raise it or lower max_model_len"
+                )
+
+
+def check_scheduler_limits(
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    kv_block_size: int,
+    max_model_len: int,
+) -> None:
+    """Raise ConfigError for settings the scheduler cannot work with; ``kv_block_size`` is the
+    block size of the KV pool the workers allocated."""
+    if cache_config.block_size != kv_block_size:
+        raise ConfigError(
+            f"cache block_size {cache_config.block_size} != KV cache config block_size "
+            f"{kv_block_size}"
+        )
+    if (
+        not scheduler_config.enable_chunked_prefill
+        and scheduler_config.max_num_batched_tokens < max_model_len
+    ):
+        raise ConfigError(
+            f"with chunked prefill off, max_num_batched_tokens "
+            f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len "
+            f"({max_model_len}), or long prompts could never be scheduled"
+        )
