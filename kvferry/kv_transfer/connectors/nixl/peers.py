@@ -2,11 +2,8 @@
 
 Every call runs on one asyncio loop in a background thread (ZeroMQ sockets; the NIXL agent
 is never touched here), so a call waiting for its answer costs a socket, not a thread. Work
-is kept per *peer*, one side-channel address: host, port and the engine id named there.
+is kept per *peer* (:mod:`.peer_table`) and sent within the limits of :mod:`.peer_calls`.
 
-* At most ``max_peer_inflight`` calls to one peer at a time and ``MAX_INFLIGHT`` in all; a
-  call waits at most ``handshake_timeout`` for a free slot and as long again for its answer.
-  A dead or slow peer delays only the work for itself.
 * A handshake fetches and checks the peer's agent info (engine id, KV layout, after the
   compatibility hash), cached per peer. After a failed handshake or an unanswered claim, new
   reads from that peer fail at once for ``handshake_timeout`` instead of each waiting for
@@ -24,118 +21,38 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from kvferry.kv_transfer.connectors.nixl.agent import KVLayout
-from kvferry.kv_transfer.connectors.nixl.handshake import (
-    MAX_MESSAGE_BYTES,
+from kvferry.kv_transfer.connectors.nixl.codec import Codec, ProtocolError
+from kvferry.kv_transfer.connectors.nixl.messages import (
     AgentInfo,
     ClaimRequest,
-    Codec,
     Granted,
     HandshakeRequest,
     HeartbeatRequest,
     PeerReply,
-    PeerRequest,
-    PeerUnreachable,
-    ProtocolError,
     Refused,
     ReleaseRequest,
     Renewed,
-    endpoint,
 )
 from kvferry.kv_transfer.connectors.nixl.metadata import RecvSpec, RemoteRef
 from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
+from kvferry.kv_transfer.connectors.nixl.peer_calls import GivenUp, PeerCalls
+from kvferry.kv_transfer.connectors.nixl.peer_table import Addr, Peer, PeerTable, addr_of
+from kvferry.kv_transfer.connectors.nixl.sidechannel import PeerUnreachable
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Addr = tuple[str, int, str]  # a peer: side-channel host, port, and the engine id named there
-
-MAX_INFLIGHT = 256  # side-channel calls in flight, all peers together
-_MAX_WAITING = 1024  # calls waiting for a slot of one peer; beyond it new work fails at once
-_MAX_PEERS = 4096  # idle peers beyond this are forgotten, oldest first
 
 
 class ReadFailed(RuntimeError):
     pass
-
-
-class _GivenUp(RuntimeError):
-    """Work abandoned before it reached the peer (no slot in time, too much queued)."""
-
-
-def addr_of(ref: RemoteRef) -> Addr:
-    return (ref.host, ref.port, ref.engine_id)
-
-
-class _Slots:
-    """A FIFO counting semaphore whose waiters give up after a timeout (loop thread only)."""
-
-    def __init__(self, n: int) -> None:
-        self.free = n
-        self._waiters: deque[asyncio.Future[bool]] = deque()
-
-    async def take(self, timeout: float) -> bool:
-        if self.free > 0 and not self._waiters:
-            self.free -= 1
-            return True
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bool] = loop.create_future()
-        self._waiters.append(fut)
-        timer = loop.call_later(timeout, _resolve, fut, False)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.result():
-                self.give()  # handed a slot just as we were cancelled: pass it on
-            raise
-        finally:
-            timer.cancel()
-            if not fut.done():
-                fut.cancel()
-
-    def give(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(True)
-                return
-        self.free += 1
-
-
-def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-@dataclass
-class _Peer:
-    addr: Addr
-    slots: _Slots
-    handshake: asyncio.Lock = field(default_factory=asyncio.Lock)
-    info: AgentInfo | None = None
-    failed_at: float = -1e9  # last failed handshake or unanswered claim
-    failure: str = ""
-    down_at: float = -1e9  # last call that got no answer
-    down_logged: bool = False
-    waiting: int = 0
-    busy: int = 0
-    beating: set[str] = field(default_factory=set)
-
-    @property
-    def label(self) -> str:
-        host, port, engine_id = self.addr
-        return f"{host}:{port} (engine {engine_id})"
-
-    def idle(self) -> bool:
-        return not (self.busy or self.waiting or self.beating or self.handshake.locked())
 
 
 class PeerClient:
@@ -153,10 +70,9 @@ class PeerClient:
         self.agent_name = agent_name
         self.local = local
         self.opts = opts
-        self._actx = zmq.asyncio.Context.shadow(ctx.underlying)
-        self._slots = _Slots(MAX_INFLIGHT)
-        self._peers: OrderedDict[Addr, _Peer] = OrderedDict()  # loop thread only
-        self._socks: set[zmq.asyncio.Socket] = set()  # open, loop thread only
+        actx = zmq.asyncio.Context.shadow(ctx.underlying)
+        self._calls = PeerCalls(actx, codec, opts.handshake_timeout)  # loop thread only
+        self._peers = PeerTable(opts.max_peer_inflight)  # loop thread only
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -175,7 +91,7 @@ class PeerClient:
     def forget(self, addr: Addr) -> None:
         """Handshake afresh next time (after a transport failure)."""
         if not self._closed:
-            self._loop.call_soon_threadsafe(self._forget, addr)
+            self._loop.call_soon_threadsafe(self._peers.forget, addr)
 
     def renew(
         self, addr: Addr, request_ids: list[str], purpose: str
@@ -213,8 +129,7 @@ class PeerClient:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
-            for sock in self._socks:  # left by a call that never ended: the context needs
-                sock.close(linger=0)  # every socket closed before it can terminate
+            self._calls.close_sockets()
             self._loop.close()
 
     def _submit(self, coro: Coroutine[Any, Any, T], closed: Any) -> concurrent.futures.Future[T]:
@@ -245,26 +160,10 @@ class PeerClient:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
-    def _peer(self, addr: Addr) -> _Peer:
-        peer = self._peers.get(addr)
-        if peer is None:
-            peer = self._peers[addr] = _Peer(addr, _Slots(self.opts.max_peer_inflight))
-            if len(self._peers) > _MAX_PEERS:
-                old = next((p for p in self._peers.values() if p.idle() and p is not peer), None)
-                if old is not None:
-                    del self._peers[old.addr]
-        self._peers.move_to_end(addr)
-        return peer
-
-    def _forget(self, addr: Addr) -> None:
-        peer = self._peers.get(addr)
-        if peer is not None:
-            peer.info = None
-
     async def _prepare(self, spec: RecvSpec) -> tuple[AgentInfo, float]:
         remote = spec.remote
         assert remote is not None
-        peer = self._peer(addr_of(remote))
+        peer = self._peers.at(addr_of(remote))
         for attempt in range(2):
             info = await self._agent_info(peer, refresh=attempt > 0)
             if max(spec.remote_block_ids) >= info.num_blocks:
@@ -275,34 +174,31 @@ class PeerClient:
             sent = time.monotonic()
             try:
                 granted = await self._claim(peer, spec)
-            except (PeerUnreachable, _GivenUp) as e:
-                self._failed(peer, f"claim failed: {e}")
+            except (PeerUnreachable, GivenUp) as e:
+                peer.failed(f"claim failed: {e}")
                 raise ReadFailed(f"claim failed: {e}") from None
             if granted.agent_name == info.agent_name:
                 return info, sent + granted.expires_in
         raise ReadFailed(f"engine {remote.engine_id} changed its NIXL agent during the claim")
 
-    async def _agent_info(self, peer: _Peer, refresh: bool) -> AgentInfo:
+    async def _agent_info(self, peer: Peer, refresh: bool) -> AgentInfo:
         async with peer.handshake:
             # Reads queued behind a failed handshake or an unanswered claim fail at once
             # instead of each waiting for the timeout.
-            if time.monotonic() - peer.failed_at < self.opts.handshake_timeout:
+            if peer.failed_within(self.opts.handshake_timeout):
                 raise ReadFailed(peer.failure)
             if peer.info is not None and not refresh:
                 return peer.info
             host, port, engine_id = peer.addr
             try:
-                reply = await self._call(peer, HandshakeRequest(engine_id, 0))
+                reply = await self._calls.call(peer, HandshakeRequest(engine_id, 0))
                 info = self._check_info(reply, engine_id)
             except Exception as e:
                 failure = f"handshake with {host}:{port} failed: {e}"
-                self._failed(peer, failure)
+                peer.failed(failure)
                 raise ReadFailed(failure) from None
             peer.info = info
             return info
-
-    def _failed(self, peer: _Peer, failure: str) -> None:
-        peer.failed_at, peer.failure, peer.info = time.monotonic(), failure, None
 
     def _check_info(self, reply: PeerReply, engine_id: str) -> AgentInfo:
         if isinstance(reply, Refused):
@@ -330,7 +226,7 @@ class PeerClient:
             )
         return reply
 
-    async def _claim(self, peer: _Peer, spec: RecvSpec) -> Granted:
+    async def _claim(self, peer: Peer, spec: RecvSpec) -> Granted:
         remote = spec.remote
         assert remote is not None
         req = ClaimRequest(
@@ -346,7 +242,7 @@ class PeerClient:
         deadline = time.monotonic() + self.opts.handshake_timeout
         while True:
             left = deadline - time.monotonic()
-            reply = await self._call(peer, req, max(left, 0.05))
+            reply = await self._calls.call(peer, req, max(left, 0.05))
             if isinstance(reply, Granted):
                 return reply
             if isinstance(reply, Refused) and reply.retry and left > 0.05:
@@ -356,14 +252,14 @@ class PeerClient:
             raise ReadFailed(f"engine {remote.engine_id} refused the read: {reason}")
 
     async def _renew(self, addr: Addr, request_ids: list[str], purpose: str) -> Renewed | None:
-        peer = self._peer(addr)
+        peer = self._peers.at(addr)
         if purpose in peer.beating:
             return None
         peer.beating.add(purpose)
         try:
             request = HeartbeatRequest(addr[2], request_ids, self.engine_id)
-            reply = await self._call(peer, request, droppable="heartbeats")
-        except _GivenUp:
+            reply = await self._calls.call(peer, request, droppable="heartbeats")
+        except GivenUp:
             return None
         except Exception as e:
             logger.info("NIXL: heartbeat to %s failed: %s", peer.label, e)
@@ -375,10 +271,10 @@ class PeerClient:
         return reply if isinstance(reply, Renewed) else None
 
     async def _release(self, addr: Addr, req: ReleaseRequest) -> str | None:
-        peer = self._peer(addr)
+        peer = self._peers.at(addr)
         try:
-            reply = await self._call(peer, req, droppable="releases")
-        except _GivenUp as e:
+            reply = await self._calls.call(peer, req, droppable="releases")
+        except GivenUp as e:
             return str(e)
         except Exception as e:
             logger.info("NIXL: release of %r at %s failed: %s", req.request_id, peer.label, e)
@@ -387,76 +283,3 @@ class PeerClient:
             logger.info("NIXL: release refused by %s: %s", peer.label, reply.reason)
             return reply.reason
         return None
-
-    def _give_up(self, peer: _Peer, why: str, droppable: str | None) -> _GivenUp:
-        """The error for work abandoned before it reached the peer; releases and heartbeats
-        say so in the log once per outage."""
-        if droppable is not None and not peer.down_logged:
-            peer.down_logged = True
-            logger.warning("NIXL: dropping %s to %s: %s", droppable, peer.label, why)
-        return _GivenUp(why)
-
-    async def _call(
-        self,
-        peer: _Peer,
-        request: PeerRequest,
-        timeout: float | None = None,
-        droppable: str | None = None,
-    ) -> PeerReply:
-        """One request to the peer, within the per-peer and overall limits. ``droppable``
-        work (what it is, for the log) is given up while the peer does not answer."""
-        wait = self.opts.handshake_timeout
-        if peer.waiting >= _MAX_WAITING:
-            raise self._give_up(peer, "too much work is queued for it", droppable)
-        peer.waiting += 1
-        try:
-            if not await peer.slots.take(wait):
-                raise self._give_up(peer, f"no free slot for it in {wait:g}s", droppable)
-            try:
-                if not await self._slots.take(wait):
-                    raise self._give_up(peer, f"no free side-channel slot in {wait:g}s", droppable)
-            except BaseException:
-                peer.slots.give()
-                raise
-        finally:
-            peer.waiting -= 1
-        if droppable is not None and time.monotonic() - peer.down_at < wait:
-            self._slots.give()
-            peer.slots.give()
-            raise self._give_up(peer, "it does not answer", droppable)
-        peer.busy += 1
-        try:
-            reply = await self._request(peer, request, timeout or wait)
-        except PeerUnreachable:
-            peer.down_at = time.monotonic()
-            raise
-        finally:
-            peer.busy -= 1
-            self._slots.give()
-            peer.slots.give()
-        peer.down_at, peer.down_logged = -1e9, False
-        return reply
-
-    async def _request(self, peer: _Peer, request: PeerRequest, timeout: float) -> PeerReply:
-        host, port, _ = peer.addr
-        where = f"{host}:{port}"
-        sock = self._actx.socket(zmq.REQ)
-        self._socks.add(sock)
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            sock.connect(endpoint(host, port))
-            frame, nonce = self.codec.encode_request(request)
-            await sock.send(frame)
-            try:
-                data = await asyncio.wait_for(sock.recv(), timeout)
-            except asyncio.TimeoutError:
-                raise PeerUnreachable(
-                    f"no answer from the NIXL side channel {where} in {timeout:g}s"
-                ) from None
-            return self.codec.decode_reply(data, where, nonce)
-        except zmq.ZMQError as e:
-            raise PeerUnreachable(f"NIXL side channel {where}: {e}") from None
-        finally:
-            self._socks.discard(sock)
-            sock.close()
