@@ -25,7 +25,7 @@ from kvferry.engine.engine_thread import (
     StatObserver,
 )
 from kvferry.engine.llm_engine import LLMEngine
-from kvferry.engine.request_stream import RequestStream
+from kvferry.engine.request_stream import RequestStream, check_stream_interval
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
 
@@ -47,10 +47,18 @@ class AsyncLLM:
     """``async for out in llm.generate(prompt, params): ...`` over one engine thread.
 
     Built (engine included) by the constructor, which raises the engine's ConfigError on bad
-    settings. ``shutdown()`` stops the thread and fails requests still in flight.
+    settings. ``stream_interval`` is the tokens per output ``generate`` yields (see
+    :class:`RequestStream`; 1: every token). ``shutdown()`` stops the thread and fails
+    requests still in flight.
     """
 
-    def __init__(self, config: EngineConfig, observer: StatObserver | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        observer: StatObserver | None = None,
+        stream_interval: int = 1,
+    ) -> None:
+        self.stream_interval = check_stream_interval(stream_interval)
         # /metrics needs the scheduler's stats (this also turns on the periodic stats log line).
         config.log_stats = True
         self.config = config
@@ -94,12 +102,14 @@ class AsyncLLM:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the finished one. Raises ConfigError for a prompt
+        """Yield cumulative outputs until the finished one: every output by default, one per
+        ``stream_interval`` new tokens otherwise (the first and the final one always, none
+        skipped when this loop runs late). Raises ConfigError for a prompt
         the engine rejects, EngineStepError / EngineDeadError on engine failure. Leaving the
         iteration early (cancellation, client gone) aborts the request."""
         self._check_alive()
         rid = request_id or uuid.uuid4().hex
-        stream = RequestStream(rid, asyncio.get_running_loop())
+        stream = RequestStream(rid, asyncio.get_running_loop(), self.stream_interval)
         self._core.add(rid, prompt, params, cache_salt, stream)
         done = False
         try:

@@ -206,6 +206,16 @@ def _add_http_args(p: argparse.ArgumentParser, default_port: int) -> None:
     )
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from kvferry.engine.arg_utils import EngineArgs
     from kvferry.entrypoints.openai.limits import ServerLimits
@@ -222,6 +232,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", default=None, help="file holding the API key")
     p.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: MODEL)"
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="new tokens per streamed chunk; the first and the final chunk are sent at once "
+        "(default: 1, a chunk per token)",
     )
     ServerLimits.add_cli_args(p)
     p.set_defaults(func=_cmd_serve)

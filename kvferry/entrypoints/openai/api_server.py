@@ -204,7 +204,7 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     sock = listen_socket(args.host, args.port, "kvferry serve")
     metrics = ServerMetrics(name)
-    llm = AsyncLLM(config, observer=metrics)
+    llm = AsyncLLM(config, observer=metrics, stream_interval=getattr(args, "stream_interval", 1))
     kvc = llm.engine.kv_cache_config
     metrics.attach(lambda: llm.snapshot, kvc.bytes_per_block / kvc.block_size)
     app = build_app(llm, name, metrics, api_key, limits)

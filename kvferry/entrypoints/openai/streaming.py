@@ -1,11 +1,14 @@
 """The SSE writer of streamed completions and chat completions.
 
 :func:`stream_response` turns the merged outputs of an API request's engine requests into an
-:class:`EventStream` of ``data: {...}\\n\\n`` chunks ending with ``data: [DONE]``: each chunk
-carries the text (and, on request, the token ids) new since the previous chunk of its choice,
-holding back text that may still turn out to start a stop string. ``kv_transfer_params``
-returned by the KV connector go into a choice's final chunk. An engine error after the first
-chunk becomes an error event; closing the stream early (client gone) aborts the requests.
+:class:`EventStream` of ``data: {...}\\n\\n`` chunks ending with ``data: [DONE]``: one chunk per
+output with new tokens (by default one per token, see ``--stream-interval``), carrying the text
+(and, on request, the token ids) new since the previous chunk of its choice, holding back text
+that may still turn out to start a stop string. A chunk goes out even when its text is empty
+(a token that completes no character, or text held back), as vLLM's do: clients time tokens by
+chunks. ``kv_transfer_params`` returned by the KV connector go into a choice's final chunk. An
+engine error after the first chunk becomes an error event; closing the stream early (client
+gone) aborts the requests.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ async def _events(
                     role["token_ids"] = []
                 yield chunk([role])
             st.started = True
-            if not text and not out.finished and not (body.return_token_ids and ids):
+            if not text and not ids and not out.finished:
                 continue
             c = out.outputs[0]
             choice: dict[str, Any] = {"index": i, "logprobs": None}
