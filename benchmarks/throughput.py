@@ -15,8 +15,11 @@ Metrics per run: output tokens/s = output tokens / wall time of the timed genera
 backend is loaded and warmed up, with the model files and the backend's torch in the page
 cache (the harness reads them just before each launch); peak RSS of the backend's whole
 process tree. Per row, the compute floor = linear-layer FLOPs of all prompt and output
-tokens / this machine's best measured GEMM rate for the dtype, and the tokens/s ceiling it
-implies.
+tokens / this machine's best measured GEMM rate for the dtype; the memory-bandwidth floor =
+the fewest forward passes the row needs x the weight bytes one pass reads (in the row's
+dtype, a tied embedding once) / this machine's measured copy bandwidth; the roofline floor
+= the row's schedule with each pass at the slower of the two limits; and the tokens/s
+ceilings they imply.
 
 vLLM runs from .bench/vllm-venv (benchmarks/setup_vllm_cpu.sh) and is skipped when that venv
 is missing. kvferry is skipped while ``from kvferry import LLM`` fails.
@@ -41,6 +44,7 @@ from benchmarks.harness.results import write_results_json
 from benchmarks.harness.throughput.backends import BACKEND_LABELS, BACKENDS, DEFAULT_BACKENDS
 from benchmarks.harness.throughput.measure import (
     WARMUP_AUTO_FLOOR_S,
+    copy_bandwidth,
     floor_rates,
     measure_row,
     prepare_models,
@@ -185,8 +189,8 @@ def write_outputs(
         series,
         title=f"Output tokens/s ({args.threads} CPU threads{', quick' if args.quick else ''})",
         ylabel="output tokens / s (log)",
-        ceilings=[d["ceiling_tokens_per_s"] for d in row_docs],
-        ceiling_label="linear-layer compute ceiling",
+        ceilings=[d["roofline_ceiling_tokens_per_s"] for d in row_docs],
+        ceiling_label="roofline ceiling (compute and weight bandwidth)",
         log_y=True,
     )
     log(f"[done] plot: {plot}")
@@ -210,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model_dirs, flops = prepare_models(rows)
     rates = floor_rates(rows)
+    bandwidth = copy_bandwidth()
     row_docs: list[dict[str, Any]] = []
     tokens_doc: dict[str, dict[str, Any]] = {}
     for row in rows:
         rate = rates[(row.model, row.dtype)]
         doc, tokens_doc[row.name] = measure_row(
-            row, model_dirs[row.model], flops[row.model], rate, backends, args
+            row, model_dirs[row.model], flops[row.model], rate, bandwidth, backends, args
         )
         row_docs.append(doc)
     print(render_report(row_docs, rows, backends, args))

@@ -124,7 +124,7 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[s
 
 
 def linear_flops(config: Mapping[str, Any] | str | os.PathLike[str]) -> LinearFlops:
-    """Linear-layer FLOPs per token for a Llama/Mistral/Qwen2-style HF ``config.json``.
+    """Linear-layer FLOPs per token for a Llama/Mistral/Qwen2/Qwen3-style HF ``config.json``.
 
     ``config`` is the parsed dict, a ``config.json`` path or a model directory. Attention
     score / softmax / value FLOPs are not linear layers and are not counted (they are
@@ -146,6 +146,8 @@ def linear_flops(config: Mapping[str, Any] | str | os.PathLike[str]) -> LinearFl
     if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
         attn_bias = heads * head_dim + 2 * kv_heads * head_dim
     norms = layers * 2 * hidden + hidden
+    if cfg.get("model_type") == "qwen3":
+        norms += layers * 2 * head_dim  # per-head RMSNorm weights of q and k
     embed = vocab * hidden
     num_params = layers * (layer_linear + attn_bias) + norms + embed + (0 if tied else embed)
     return LinearFlops(

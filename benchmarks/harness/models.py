@@ -1,5 +1,5 @@
-"""The random-weight benchmark models (``tiny``, ``mid``), built on first use into
-``.bench/models/<name>`` (``benchmarks/models.py`` builds them from the command line).
+"""The random-weight benchmark models (``tiny``, ``mid``, ``qwen3-0.6b``), built on first use
+into ``.bench/models/<name>`` (``benchmarks/models.py`` builds them from the command line).
 
 Random weights need no download and still give deterministic greedy outputs, so backends
 can be compared token by token. kvferry's generator writes them when it is importable,
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness.paths import MODELS_DIR
 
@@ -31,6 +32,18 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     seed: int = 0
+    arch: str = "llama"  # "llama" | "qwen3" (per-head q/k RMSNorm)
+    head_dim: int | None = None  # None: hidden // heads
+    rope_theta: float = 10000.0
+    # "generator": the generator's own tokenizer (kvferry's is a byte-level BPE trained on a
+    # small corpus, a few thousand entries); "words": a word-level tokenizer with one entry
+    # per model id, so every id the model can emit decodes and re-encodes to itself.
+    tokenizer: str = "generator"
+
+
+# Fields added after models were first cached: left out of the cache stamp while they keep
+# their default, so that adding them did not invalidate (and rebuild) the cached models.
+_LATER_FIELDS = ("arch", "head_dim", "rope_theta", "tokenizer")
 
 
 SPECS: dict[str, ModelSpec] = {
@@ -51,7 +64,31 @@ SPECS: dict[str, ModelSpec] = {
         intermediate=2048,
         tie_word_embeddings=True,
     ),
+    # Qwen3-0.6B's shape (596M params, 0.44B outside the 151936 x 1024 embedding, which is
+    # tied to the lm_head): a realistic size, whose decode is bound by weight bytes.
+    "qwen3-0.6b": ModelSpec(
+        "qwen3-0.6b",
+        hidden=1024,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        intermediate=3072,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        arch="qwen3",
+        rope_theta=1_000_000.0,
+        tokenizer="words",
+    ),
 }
+
+
+def spec_stamp(spec: ModelSpec, generator: str) -> dict[str, Any]:
+    """What a cached model folder records about how it was built (see ``_LATER_FIELDS``)."""
+    defaults = {f.name: f.default for f in fields(ModelSpec)}
+    stamp = {k: v for k, v in asdict(spec).items() if k not in _LATER_FIELDS or v != defaults[k]}
+    return {**stamp, "generator": generator}
 
 
 def _generator_available() -> bool:
@@ -62,21 +99,29 @@ def _generator_available() -> bool:
     return True
 
 
-def _write_tokenizer(out_dir: Path, vocab: int) -> None:
-    """A word-level tokenizer whose vocabulary is exactly ``vocab`` tokens.
+def write_word_tokenizer(out_dir: Path, vocab: int, specials: list[str], unk: str) -> None:
+    """``tokenizer.json``: a word-level tokenizer whose vocabulary is exactly ``vocab`` tokens.
 
-    ids 0/1/2 are <pad>/<s>/</s>; every other id ``i`` is the word ``t<i>``. vLLM checks
-    prompt token ids against the tokenizer's vocabulary, so it must cover the model's.
+    ids ``0..len(specials)-1`` are ``specials`` (registered as special tokens, so decoding
+    can skip them); every other id ``i`` is the word ``t<i>``, so any id sequence decodes to
+    words that encode back to the same ids. ``unk`` (one of ``specials``) stands for text
+    outside the vocabulary.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    specials = ["<pad>", "<s>", "</s>"]
     words = {tok: i for i, tok in enumerate(specials)}
     words.update({f"t{i}": i for i in range(len(specials), vocab)})
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(out_dir / "tokenizer.json"))
+
+
+def _write_tokenizer(out_dir: Path, vocab: int) -> None:
+    """The transformers fallback's tokenizer files: ids 0/1/2 are <pad>/<s>/</s>. vLLM checks
+    prompt token ids against the tokenizer's vocabulary, so it must cover the model's."""
+    write_word_tokenizer(out_dir, vocab, ["<pad>", "<s>", "</s>"], unk="<pad>")
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -98,11 +143,16 @@ def _write_tokenizer(out_dir: Path, vocab: int) -> None:
 
 def _make_with_transformers(spec: ModelSpec, out_dir: Path) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    prefix = {"llama": "Llama", "qwen3": "Qwen3"}[spec.arch]
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
     torch.manual_seed(spec.seed)
-    config = LlamaConfig(
+    config = config_cls(
         hidden_size=spec.hidden,
+        head_dim=spec.head_dim or spec.hidden // spec.heads,
+        rope_theta=spec.rope_theta,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
@@ -114,18 +164,20 @@ def _make_with_transformers(spec: ModelSpec, out_dir: Path) -> None:
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = LlamaForCausalLM(config).float().eval()
+    model = model_cls(config).float().eval()
     model.save_pretrained(out_dir)
     _write_tokenizer(out_dir, spec.vocab)
 
 
 def _make_with_kvferry(spec: ModelSpec, out_dir: Path) -> None:
-    from kvferry.model.tiny import make_tiny_model
+    from kvferry.model.tiny import SPECIAL_TOKENS, make_tiny_model
 
     make_tiny_model(
         out_dir,
-        arch="llama",
+        arch=spec.arch,
         hidden=spec.hidden,
+        head_dim=spec.head_dim,
+        rope_theta=spec.rope_theta,
         layers=spec.layers,
         heads=spec.heads,
         kv_heads=spec.kv_heads,
@@ -136,6 +188,21 @@ def _make_with_kvferry(spec: ModelSpec, out_dir: Path) -> None:
         seed=spec.seed,
         tie_word_embeddings=spec.tie_word_embeddings,
     )
+    if spec.tokenizer == "words":
+        # Same special tokens at the same ids as the generator's tokenizer, whose
+        # tokenizer_config.json (names, chat template) stays valid.
+        write_word_tokenizer(out_dir, spec.vocab, SPECIAL_TOKENS, unk=SPECIAL_TOKENS[2])
+
+
+def build_model(spec: ModelSpec, out_dir: Path, generator: str) -> None:
+    """Write ``spec``'s folder into the existing ``out_dir`` with ``generator``
+    ("kvferry" or "transformers"); no cache stamp (see :func:`get_model`)."""
+    if generator == "kvferry":
+        _make_with_kvferry(spec, out_dir)
+    elif generator == "transformers":
+        _make_with_transformers(spec, out_dir)
+    else:
+        raise ValueError(f"unknown generator {generator!r}")
 
 
 def get_model(name: str, force: bool = False, generator: str = "auto") -> Path:
@@ -148,7 +215,7 @@ def get_model(name: str, force: bool = False, generator: str = "auto") -> Path:
     if generator == "auto":
         generator = "kvferry" if _generator_available() else "transformers"
     out_dir = MODELS_DIR / name
-    stamp = {**asdict(spec), "generator": generator}
+    stamp = spec_stamp(spec, generator)
     stamp_path = out_dir / SPEC_FILE
     if not force and stamp_path.exists():
         try:
@@ -159,12 +226,7 @@ def get_model(name: str, force: bool = False, generator: str = "auto") -> Path:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    if generator == "kvferry":
-        _make_with_kvferry(spec, out_dir)
-    elif generator == "transformers":
-        _make_with_transformers(spec, out_dir)
-    else:
-        raise ValueError(f"unknown generator {generator!r}")
+    build_model(spec, out_dir, generator)
     stamp_path.write_text(json.dumps(stamp, indent=2) + "\n")
     return out_dir
 

@@ -1,5 +1,5 @@
-"""One throughput row measured: models, compute floors, every backend's launches in
-alternating order, and the agreement of their greedy outputs."""
+"""One throughput row measured: models, compute and memory-bandwidth floors, every
+backend's launches in alternating order, and the agreement of their greedy outputs."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.bandwidth import CopyBandwidth, bandwidth_floor, measure_copy_bandwidth
 from benchmarks.harness.cli import log
 from benchmarks.harness.compute import LinearFlops, MatmulRate, linear_flops, measure_matmul_rate
 from benchmarks.harness.markdown import fmt_bytes
 from benchmarks.harness.models import SPECS, get_model
+from benchmarks.harness.roofline import roofline_floor_s, schedule_passes
 from benchmarks.harness.throughput.backends import RowInputs, RunResult, merge_rounds, run_backend
 from benchmarks.harness.throughput.rows import Row
 from benchmarks.harness.timing import alternating
@@ -54,6 +56,13 @@ def floor_rates(rows: list[Row]) -> dict[tuple[str, str], MatmulRate]:
             (measured[(model, d)] for d in candidates), key=lambda m: m.gflops
         )
     return rates
+
+
+def copy_bandwidth() -> CopyBandwidth:
+    """This machine's copy bandwidth, measured once per run (like the GEMM rates)."""
+    bw = measure_copy_bandwidth()
+    log(f"[memcpy] {bw.gbps:.1f} GB/s ({bw.buffer_bytes >> 20} MiB buffer, {bw.threads} threads)")
+    return bw
 
 
 def agreement(ref: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
@@ -104,6 +113,7 @@ def measure_row(
     model_dir: Path,
     flops: LinearFlops,
     rate: MatmulRate,
+    bandwidth: CopyBandwidth,
     backends: list[str],
     args: argparse.Namespace,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -113,6 +123,22 @@ def measure_row(
     prompt_tokens, output_tokens = sum(len(p) for p in prompts), sum(max_tokens)
     total_flops = flops.total(prompt_tokens, output_tokens)
     floor_s = total_flops / (rate.gflops * 1e9)
+    bw = bandwidth_floor(
+        model_dir,
+        row.dtype,
+        [len(p) for p in prompts],
+        max_tokens,
+        args.max_num_batched_tokens,
+        bandwidth,
+    )
+    passes = schedule_passes([len(p) for p in prompts], max_tokens, args.max_num_batched_tokens)
+    # The schedule's roofline; never below either floor (the compute floor also counts each
+    # request's last output token through the layers, which no pass needs).
+    roof_s = max(
+        roofline_floor_s(passes, flops, rate.gflops, bw.weight_bytes_per_pass, bw.copy_gbps),
+        floor_s,
+        bw.floor_s,
+    )
     warmup = args.warmup
     if warmup == "auto":
         warmup = "full" if floor_s < WARMUP_AUTO_FLOOR_S else "short"
@@ -135,6 +161,12 @@ def measure_row(
         "matmul": asdict(rate),
         "floor_s": floor_s,
         "ceiling_tokens_per_s": output_tokens / floor_s,
+        "bandwidth": {**asdict(bw), "floor_s": bw.floor_s},
+        "bw_floor_s": bw.floor_s,
+        "bw_ceiling_tokens_per_s": output_tokens / bw.floor_s,
+        "schedule_passes": len(passes),
+        "roofline_floor_s": roof_s,
+        "roofline_ceiling_tokens_per_s": output_tokens / roof_s,
         "warmup": warmup,
         "agreement_reference": ref_backend,
         "agreement": agree,

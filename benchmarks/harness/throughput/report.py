@@ -1,4 +1,5 @@
-"""The throughput benchmark's report on stdout: results table, compute floors, notes."""
+"""The throughput benchmark's report on stdout: results table, compute and bandwidth floors,
+notes."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ FLOOR_HEADERS = [
     "GEMM dtype",
     "floor s",
     "ceiling out tok/s",
+    "weight GB/pass",
+    "passes",
+    "copy GB/s",
+    "bw floor s",
+    "bw ceiling out tok/s",
+    "roofline floor s",
 ]
 FIXED_NOTES = [
     "out tok/s = output tokens / wall time of one generate() over all requests (prefill "
@@ -56,8 +63,18 @@ FIXED_NOTES = [
     "floor = linear-layer FLOPs (decoder layers for prompt+output tokens, lm_head for "
     "output tokens) / best measured GEMM rate (for bf16 rows the better of bf16 and "
     "fp32 GEMMs: without native bf16 an engine can upcast); ceiling = output tokens / "
-    "floor. Attention-score FLOPs, memory bandwidth and overheads are ignored, so real "
-    "runs stay below it; small batches are bandwidth-bound and far below.",
+    "floor. Attention-score FLOPs and overheads are ignored, so real runs stay below it.",
+    "bw floor = passes x weight GB/pass / copy GB/s: every forward pass reads every weight "
+    "once, in the row's dtype (a tied embedding once, as the lm_head); passes = the fewest "
+    "any engine needs (the longest request's output length, or more when the prompts and "
+    "fed-back tokens exceed --max-num-batched-tokens per pass); copy GB/s = best memcpy of "
+    "a buffer far larger than the last-level cache, bytes read + written. KV-cache reads "
+    "are not counted (they are in the results JSON). Small batches are bound by this floor.",
+    "roofline floor = the row played through a decode-first, chunked-prefill schedule "
+    "(every running request decodes one token per pass, the rest of the token budget "
+    "prefills waiting prompts), each pass at the slower of its FLOPs / GEMM rate and its "
+    "weight bytes / copy GB/s, and never below either floor above; % of ceiling = out "
+    "tok/s / (output tokens / roofline floor).",
     "greedy agreement: requests whose output ids equal the reference backend's exactly, "
     "and the mean matched prefix. Random weights give near-tied logits, so bf16 (and "
     "rarely fp32) runs can diverge without a bug.",
@@ -73,7 +90,7 @@ def fmt_agreement(a: dict[str, Any] | None) -> str:
 def _result_rows(row_docs: list[dict[str, Any]]) -> list[list[Any]]:
     table = []
     for doc in row_docs:
-        ceiling = doc["ceiling_tokens_per_s"]
+        ceiling = doc.get("roofline_ceiling_tokens_per_s", doc["ceiling_tokens_per_s"])
         for b, r in doc["results"].items():
             tps = r["tokens_per_s"]
             ok = r["status"] == "ok"
@@ -109,6 +126,12 @@ def _floor_rows(row_docs: list[dict[str, Any]]) -> list[list[Any]]:
             d["matmul"]["dtype"],
             d["floor_s"],
             d["ceiling_tokens_per_s"],
+            d["bandwidth"]["weight_bytes_per_pass"] / 1e9,
+            d["bandwidth"]["passes"],
+            d["bandwidth"]["copy_gbps"],
+            d["bw_floor_s"],
+            d["bw_ceiling_tokens_per_s"],
+            d["roofline_floor_s"],
         ]
         for d in row_docs
     ]
@@ -149,7 +172,7 @@ def render_report(
     kind = "quick" if args.quick else "full"
     out = [f"\n## Throughput ({kind} run, {args.threads} threads, warm-up: {args.warmup})\n"]
     out.append(markdown_table(RESULT_HEADERS, _result_rows(row_docs)))
-    out.append("\n## Compute floor per row (linear layers only)\n")
+    out.append("\n## Compute and memory-bandwidth floors per row\n")
     out.append(markdown_table(FLOOR_HEADERS, _floor_rows(row_docs)))
     notes = list(FIXED_NOTES)
     if args.rounds > 1:
