@@ -3,8 +3,8 @@
 Each layer's cache has shape ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (index 0
 keys, 1 values). A forward writes the step's new K/V at ``slot_mapping`` and then attends
 following the plan in :class:`~kvferry.model.attention_metadata.AttentionMetadata`. Only
-device-agnostic torch ops are used, so the same code runs on CPU and CUDA, except for a
-decode kernel that the runner's workspace may offer.
+device-agnostic torch ops are used, so the same code runs on CPU and CUDA, except for the
+decode and prefill kernels that the runner's workspace may offer.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         # A batch that is a single plan returns that plan's result; otherwise each plan fills
         # its rows of one output tensor.
         if not meta.decodes and len(meta.prefills) == 1:
-            return self._prefill(q, k, v, kv_cache, meta.prefills[0], ws.buffers)
+            return self._prefill(q, k, v, kv_cache, meta.prefills[0], ws)
         if len(meta.decodes) == 1 and not meta.prefills:
             # All rows are decodes, so the group covers the whole batch in order.
             return self._decode(q, kv_cache, meta.decodes[0], ws)
@@ -127,7 +127,7 @@ class Attention(nn.Module):
                 rows = self._decode(q[plan.token_index], kv_cache, plan, ws)
                 out.index_copy_(0, plan.token_index, rows)
         for p in meta.prefills:
-            out[p.token_start : p.token_stop] = self._prefill(q, k, v, kv_cache, p, ws.buffers)
+            out[p.token_start : p.token_stop] = self._prefill(q, k, v, kv_cache, p, ws)
         return out
 
     def _decode(
@@ -184,15 +184,20 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         p: PrefillPlan,
-        buffers: GatherBuffers,
+        ws: AttentionWorkspace,
     ) -> torch.Tensor:
+        """One request's chunk; its K/V are already in ``kv_cache``. A prefill kernel reads
+        the whole sequence from the pool in place; otherwise a fresh sequence attends to its
+        own ``k``/``v`` and a chunk with context gathers its blocks and masks."""
         qs = q[p.token_start : p.token_stop]
+        kernel = ws.prefill_kernel
+        if kernel is not None and kernel.supports(kv_cache, qs):
+            return kernel(qs, kv_cache, p.block_ids, p.context_len, self.scale)
         if p.context_len == 0:
             return self._causal(
                 qs, k[p.token_start : p.token_stop], v[p.token_start : p.token_stop]
             )
-        assert p.block_ids is not None and p.mask is not None
-        kv = _gather_blocks(kv_cache, p.block_ids, buffers)[:, : p.seq_len].transpose(1, 2)
+        kv = _gather_blocks(kv_cache, p.block_ids, ws.buffers)[:, : p.seq_len].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0),
             kv[0].unsqueeze(0),

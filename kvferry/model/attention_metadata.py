@@ -8,7 +8,9 @@ precomputes an execution plan, so each layer only runs tensor ops:
 * prefill requests with no cached context attend only to their own new tokens, so they use
   causal attention on the fresh q/k/v directly, without touching the cache;
 * prefill chunks with cached context (chunked prefill, prefix-cache hits, KV loaded by a
-  connector) gather their blocks and use an explicit causal mask offset by the context length.
+  connector) gather their blocks and use an explicit causal mask offset by the context length;
+* where the runner's workspace has a prefill kernel, every prefill instead reads its blocks
+  in place, with or without context.
 """
 
 from __future__ import annotations
@@ -75,10 +77,22 @@ class PrefillPlan:
     token_stop: int
     context_len: int  # tokens already in the cache before this step
     seq_len: int
-    # Only when context_len > 0: the blocks holding the whole sequence, and the [q, seq_len]
-    # boolean mask (True = attend) of a causal mask shifted by context_len.
-    block_ids: torch.Tensor | None
-    mask: torch.Tensor | None
+    # The blocks holding the whole sequence (a prefill kernel reads them in place; the torch
+    # path gathers them when context_len > 0).
+    block_ids: torch.Tensor
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """The ``[q, seq_len]`` boolean mask (True = attend) of a causal mask shifted by
+        ``context_len``; None without context. Built on first use: only the gather + SDPA
+        path reads it."""
+        if self.context_len == 0:
+            return None
+        device = self.block_ids.device
+        q = self.token_stop - self.token_start
+        # Query row r sits at position ctx + r and may see keys 0 .. ctx + r.
+        keys = torch.arange(self.seq_len, device=device)
+        return keys[None, :] <= (torch.arange(q, device=device) + self.context_len)[:, None]
 
 
 @dataclass
@@ -251,20 +265,12 @@ def _plan_prefill(
     block_size: int,
     device: torch.device,
 ) -> PrefillPlan:
-    ctx = seq_len - q
-    block_ids = mask = None
-    if ctx > 0:
-        nblocks = -(-seq_len // block_size)
-        block_ids = long_tensor(blocks[:nblocks], device)
-        # Query row r sits at position ctx + r and may see keys 0 .. ctx + r.
-        keys = torch.arange(seq_len, device=device)
-        mask = keys[None, :] <= (torch.arange(q, device=device) + ctx)[:, None]
+    nblocks = -(-seq_len // block_size)
     return PrefillPlan(
         req_index=i,
         token_start=starts[i],
         token_stop=starts[i + 1],
-        context_len=ctx,
+        context_len=seq_len - q,
         seq_len=seq_len,
-        block_ids=block_ids,
-        mask=mask,
+        block_ids=long_tensor(blocks[:nblocks], device),
     )

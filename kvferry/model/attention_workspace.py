@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvferry.native.paged_decode import PagedDecodeKernel
+from kvferry.native.paged_prefill import PagedPrefillKernel
 
 
 class GatherBuffers:
@@ -46,6 +47,11 @@ class AttentionWorkspace:
     :meth:`~kvferry.native.paged_decode.PagedDecodeKernel.supports` the layer's cache; other
     decodes go through a block gather and SDPA.
 
+    ``prefill_kernel``: serves prefill chunks (with or without cached context) straight from
+    the paged pool, causally, where it
+    :meth:`~kvferry.native.paged_prefill.PagedPrefillKernel.supports` the layer's cache; other
+    prefills use SDPA on the fresh K/V, or a block gather and a mask when there is context.
+
     ``decode_gather_bytes``: when set, a decode group is gathered a few requests at a time,
     each gather at most about this many bytes, so that the gathered K/V are still in cache when
     attention reads them; None gathers each group at once.
@@ -53,4 +59,5 @@ class AttentionWorkspace:
 
     buffers: GatherBuffers = field(default_factory=GatherBuffers)
     decode_kernel: PagedDecodeKernel | None = None
+    prefill_kernel: PagedPrefillKernel | None = None
     decode_gather_bytes: int | None = None

@@ -1,0 +1,266 @@
+/*
+ * Causal prefill attention straight from the paged KV pool, for CPU engines.
+ *
+ * One request's chunk of `q_len` new tokens at positions ctx .. ctx + q_len - 1 attends to
+ * the keys 0 .. its own position, read in place from the blocks named by its block-table row
+ * (the chunk's own K/V already written there). Nothing is gathered and no mask is built: a
+ * key tile past a query's position is skipped, and only the tiles on the diagonal mask.
+ *
+ * Work items are (kv head, tile of queries); the query heads that share the kv head are
+ * stacked as the ROWS rows of one tile, so each key and value row is loaded once for all of
+ * them. Rows are the vector lanes: queries and the output are kept transposed ([head_dim]
+ * [ROWS]) for the whole item, so keys and values are read in place as scalars and every
+ * product is a broadcast fused multiply-add, and the online softmax (running max and sum
+ * per row, keys in tiles of KT) is elementwise over row vectors:
+ *   scores  S[KT][ROWS] = K . Qt      (Qt pre-scaled)
+ *   values  Ot[:][ROWS] = Ot * alpha + V^T . P
+ * Rows past the chunk's end are padding and never stored. Accumulation is in fp32; bf16
+ * keys and values are widened one tile at a time and the output rounded to nearest even.
+ *
+ * Layouts:
+ *   q      [q_len, num_heads, head_dim], row t at q + t * q_row_stride, heads contiguous
+ *   cache  [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values)
+ *   table  block ids of the request, covering ctx + q_len tokens
+ *   out    [q_len, num_heads, head_dim], contiguous
+ * head_dim must be a multiple of KB (4); group (query heads per kv head) at most ROWS.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+typedef float vf __attribute__((vector_size(64)));   /* 16 floats: one row vector chunk */
+typedef int32_t vi __attribute__((vector_size(64)));
+
+#define KT 16        /* keys per tile */
+#define RV 4         /* row vectors per item */
+#define ROWS (16 * RV)
+#define KB 4         /* keys (or value dims) per register block */
+#define NEG (-1e30f) /* finite: -ffast-math assumes no infinities */
+
+static inline float bf16_to_f32(bf16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline bf16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (bf16_t)(v.u >> 16);
+}
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof(v)); }
+
+static inline vf vmax(vf a, vf b) {
+    vi gt = a > b;
+    vi ai, bi;
+    memcpy(&ai, &a, sizeof(ai));
+    memcpy(&bi, &b, sizeof(bi));
+    vi r = (ai & gt) | (bi & ~gt);
+    memcpy(&a, &r, sizeof(a));
+    return a;
+}
+
+/* exp(x) for x <= 0 to about 2 ulp; x below the fp32 range gives exactly 0. */
+static inline vf vexp(vf x) {
+    const vf lo = (vf){0} - 87.0f;
+    vi under = x < lo;
+    x = vmax(x, lo);
+    vf y = x * 1.44269504088896341f;
+    vf n = __builtin_convertvector(__builtin_convertvector(y - 0.5f, vi), vf);
+    /* round-to-nearest of y via truncation of y - 0.5 (y <= 0) can be off by one at exact
+     * halves; the polynomial covers f in [-0.5, 1] either way. */
+    vf f = y - n;
+    vf p = (vf){0} + 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022650e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &e, sizeof(scale));
+    vf r = p * scale;
+    vi ri;
+    memcpy(&ri, &r, sizeof(ri));
+    ri &= ~under;
+    memcpy(&r, &ri, sizeof(r));
+    return r;
+}
+
+/* s[j][:] = k[j] . qt for j < n (k rows ks apart; scores for j >= n are left unset). */
+static void scores_tile(const float *restrict qt, const float *const *restrict k, int64_t n,
+                        int64_t d, float *restrict s) {
+    int64_t j = 0;
+    for (; j + KB <= n; j += KB) {
+        vf a[KB][RV] = {{{0}}};
+        for (int64_t i = 0; i < d; i++) {
+            vf q[RV];
+            for (int v = 0; v < RV; v++) q[v] = vload(qt + i * ROWS + 16 * v);
+            for (int b = 0; b < KB; b++) {
+                const float kb = k[j + b][i];
+                for (int v = 0; v < RV; v++) a[b][v] += kb * q[v];
+            }
+        }
+        for (int b = 0; b < KB; b++)
+            for (int v = 0; v < RV; v++) vstore(s + (j + b) * ROWS + 16 * v, a[b][v]);
+    }
+    for (; j < n; j++) {
+        vf a[RV] = {{0}};
+        for (int64_t i = 0; i < d; i++) {
+            const float kb = k[j][i];
+            for (int v = 0; v < RV; v++) a[v] += kb * vload(qt + i * ROWS + 16 * v);
+        }
+        for (int v = 0; v < RV; v++) vstore(s + j * ROWS + 16 * v, a[v]);
+    }
+}
+
+/* ot[e][:] = ot[e][:] * alpha + sum_j v[j][e] * p[j][:] over n keys. */
+static void values_tile(const float *restrict p, const float *const *restrict val, int64_t n,
+                        int64_t d, const float *restrict alpha, float *restrict ot) {
+    vf al[RV];
+    for (int v = 0; v < RV; v++) al[v] = vload(alpha + 16 * v);
+    for (int64_t e = 0; e < d; e += KB) {
+        vf a[KB][RV];
+        for (int b = 0; b < KB; b++)
+            for (int v = 0; v < RV; v++) a[b][v] = vload(ot + (e + b) * ROWS + 16 * v) * al[v];
+        for (int64_t j = 0; j < n; j++) {
+            vf pj[RV];
+            for (int v = 0; v < RV; v++) pj[v] = vload(p + j * ROWS + 16 * v);
+            const float *vj = val[j] + e;
+            for (int b = 0; b < KB; b++)
+                for (int v = 0; v < RV; v++) a[b][v] += vj[b] * pj[v];
+        }
+        for (int b = 0; b < KB; b++)
+            for (int v = 0; v < RV; v++) vstore(ot + (e + b) * ROWS + 16 * v, a[b][v]);
+    }
+}
+
+/* Masks keys past each row's position (row r may see keys t <= lim[r]), turns scores into
+ * probabilities and updates the running max m and sum l; alpha gets each row's rescale. */
+static void softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t *restrict lim,
+                         int diagonal, float *restrict m, float *restrict l,
+                         float *restrict alpha) {
+    if (diagonal) {
+        for (int64_t j = 0; j < n; j++) {
+#pragma omp simd
+            for (int r = 0; r < ROWS; r++)
+                if (t0 + j > lim[r]) s[j * ROWS + r] = NEG;
+        }
+    }
+    for (int v = 0; v < RV; v++) {
+        vf mo = vload(m + 16 * v), mx = mo;
+        for (int64_t j = 0; j < n; j++) mx = vmax(mx, vload(s + j * ROWS + 16 * v));
+        vf z = {0};
+        for (int64_t j = 0; j < n; j++) {
+            vf pj = vexp(vload(s + j * ROWS + 16 * v) - mx);
+            vstore(s + j * ROWS + 16 * v, pj);
+            z += pj;
+        }
+        vf a = vexp(mo - mx);
+        vstore(alpha + 16 * v, a);
+        vstore(m + 16 * v, mx);
+        vstore(l + 16 * v, vload(l + 16 * v) * a + z);
+    }
+}
+
+/* Per-thread scratch, all fp32. */
+typedef struct {
+    float *qt;    /* [d][ROWS] scaled queries, transposed */
+    float *ot;    /* [d][ROWS] unnormalised output, transposed */
+    float *s;     /* [KT][ROWS] scores, then probabilities */
+    float *m, *l, *alpha; /* [ROWS] running max, running sum, this tile's rescale */
+    float *kb, *vb;       /* [KT][d] widened key and value tiles (bf16 only) */
+    int32_t *lim;         /* [ROWS] last key position each row may see */
+} scratch_t;
+
+#define DEFINE_PREFILL(NAME, T, TO_F32, FROM_F32)                                             \
+    int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
+             int64_t block_size, int64_t num_kv_heads, int64_t d, const int64_t *table,      \
+             int64_t ctx, int64_t q_len, int64_t group, float scale, T *out,                 \
+             int num_threads) {                                                               \
+        const int64_t tok_stride = num_kv_heads * d, block_elems = block_size * tok_stride;  \
+        const T *vals = cache + num_blocks * block_elems;                                     \
+        const int64_t qt_n = ROWS / group > 0 ? ROWS / group : 1; /* queries per item */      \
+        const int64_t tiles = (q_len + qt_n - 1) / qt_n, items = tiles * num_kv_heads;       \
+        const int64_t heads = num_kv_heads * group;                                           \
+        int failed = 0;                                                                       \
+        if (group > ROWS) return -2;                                                          \
+        _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)") {              \
+            scratch_t w;                                                                      \
+            float *buf = aligned_alloc(64, sizeof(float) * (2 * d * ROWS + KT * ROWS +        \
+                                                            4 * ROWS + 2 * KT * d));          \
+            if (buf == NULL) failed = 1;                                                      \
+            w.qt = buf;                                                                       \
+            w.ot = w.qt + d * ROWS;                                                           \
+            w.s = w.ot + d * ROWS;                                                            \
+            w.m = w.s + KT * ROWS;                                                            \
+            w.l = w.m + ROWS;                                                                 \
+            w.alpha = w.l + ROWS;                                                             \
+            w.lim = (int32_t *)(w.alpha + ROWS);                                              \
+            w.kb = w.alpha + 2 * ROWS;                                                        \
+            w.vb = w.kb + KT * d;                                                             \
+            /* Later query tiles see more keys: hand them out first. */                       \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) { \
+                if (buf == NULL) continue;                                                    \
+                const int64_t tile = tiles - 1 - it / num_kv_heads, h = it % num_kv_heads;   \
+                const int64_t q0 = tile * qt_n;                                               \
+                const int64_t nq = q_len - q0 < qt_n ? q_len - q0 : qt_n, rows = nq * group;  \
+                for (int64_t r = 0; r < ROWS; r++) {                                          \
+                    const int64_t qi = r < rows ? r / group : 0;                              \
+                    const T *src = q + (q0 + qi) * q_row_stride + (h * group + r % group) * d; \
+                    for (int64_t e = 0; e < d; e++) w.qt[e * ROWS + r] = TO_F32(src[e]) * scale; \
+                    w.m[r] = NEG;                                                             \
+                    w.l[r] = 0.0f;                                                            \
+                    w.lim[r] = (int32_t)(ctx + q0 + qi);                                      \
+                }                                                                             \
+                memset(w.ot, 0, sizeof(float) * d * ROWS);                                    \
+                const int64_t lim0 = ctx + q0, kend = ctx + q0 + nq;                          \
+                for (int64_t t0 = 0; t0 < kend; t0 += KT) {                                   \
+                    const int64_t n = kend - t0 < KT ? kend - t0 : KT;                        \
+                    const float *krow[KT], *vrow[KT];                                         \
+                    for (int64_t j = 0; j < n; j++) {                                         \
+                        const int64_t t = t0 + j;                                             \
+                        const int64_t off = table[t / block_size] * block_elems +             \
+                                            (t % block_size) * tok_stride + h * d;            \
+                        if (sizeof(T) == sizeof(float)) {                                     \
+                            krow[j] = (const float *)(const void *)(cache + off);             \
+                            vrow[j] = (const float *)(const void *)(vals + off);              \
+                        } else {                                                              \
+                            for (int64_t e = 0; e < d; e++) {                                 \
+                                w.kb[j * d + e] = TO_F32(cache[off + e]);                     \
+                                w.vb[j * d + e] = TO_F32(vals[off + e]);                      \
+                            }                                                                 \
+                            krow[j] = w.kb + j * d;                                           \
+                            vrow[j] = w.vb + j * d;                                           \
+                        }                                                                     \
+                    }                                                                         \
+                    scores_tile(w.qt, krow, n, d, w.s);                                       \
+                    softmax_tile(w.s, n, t0, w.lim, t0 + n - 1 > lim0, w.m, w.l, w.alpha);    \
+                    values_tile(w.s, vrow, n, d, w.alpha, w.ot);                              \
+                }                                                                             \
+                for (int64_t r = 0; r < rows; r++) {                                          \
+                    T *dst = out + ((q0 + r / group) * heads + h * group + r % group) * d;    \
+                    const float inv = 1.0f / w.l[r];                                          \
+                    for (int64_t e = 0; e < d; e++) dst[e] = FROM_F32(w.ot[e * ROWS + r] * inv); \
+                }                                                                             \
+            }                                                                                 \
+            free(buf);                                                                        \
+        }                                                                                     \
+        return failed ? -1 : 0;                                                               \
+    }
+
+#define ID(x) (x)
+DEFINE_PREFILL(kvf_paged_prefill_f32, float, ID, ID)
+DEFINE_PREFILL(kvf_paged_prefill_bf16, bf16_t, bf16_to_f32, f32_to_bf16)

@@ -1,0 +1,106 @@
+"""Causal prefill attention over the paged KV pool, in place (``csrc/paged_prefill.c``)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from kvferry.native.build import load_library
+
+_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,  # q
+    ctypes.c_int64,  # q row stride (elements)
+    ctypes.c_void_p,  # cache
+    ctypes.c_int64,  # num_blocks
+    ctypes.c_int64,  # block_size
+    ctypes.c_int64,  # num_kv_heads
+    ctypes.c_int64,  # head_dim
+    ctypes.c_void_p,  # block ids of the request
+    ctypes.c_int64,  # context length (tokens before the chunk)
+    ctypes.c_int64,  # query length (tokens in the chunk)
+    ctypes.c_int64,  # group (query heads per kv head)
+    ctypes.c_float,  # scale
+    ctypes.c_void_p,  # out
+    ctypes.c_int,  # threads
+]
+
+
+class PagedPrefillKernel:
+    """Causal attention of one request's chunk of new tokens to its whole sequence so far,
+    reading keys and values straight from the pool's blocks: no gather, no mask, and key
+    tiles past a query's position are never computed. The chunk's own K/V must already be in
+    the pool. :meth:`supports` says whether a layer can use it (CPU, fp32 or bf16, contiguous
+    cache, head_dim a multiple of 16, at most :attr:`MAX_GROUP` query heads per kv head);
+    :meth:`__call__` returns ``[q_len, num_heads, head_dim]``.
+    """
+
+    DTYPES = (torch.float32, torch.bfloat16)
+    # Query heads per kv head that one work item can stack (ROWS in the C source).
+    MAX_GROUP = 64
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {
+            torch.float32: lib.kvf_paged_prefill_f32,
+            torch.bfloat16: lib.kvf_paged_prefill_bf16,
+        }
+        for fn in self._fns.values():
+            fn.argtypes = _ARGTYPES
+            fn.restype = ctypes.c_int
+
+    def supports(self, kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
+        return (
+            kv_cache.device.type == "cpu"
+            and kv_cache.dtype in self.DTYPES
+            and q.dtype == kv_cache.dtype
+            and kv_cache.is_contiguous()
+            and kv_cache.shape[-1] % 16 == 0
+            and q.dim() == 3
+            and q.shape[1] // kv_cache.shape[3] <= self.MAX_GROUP
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        context_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q``: ``[q_len, num_heads, head_dim]`` whose rows may be strided, heads and
+        head_dim contiguous, for positions ``context_len .. context_len + q_len - 1``;
+        ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``; ``block_ids``:
+        contiguous int64 covering ``context_len + q_len`` tokens."""
+        q_len, heads, head_dim = q.shape
+        _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        assert block_ids.dtype == torch.int64 and block_ids.is_contiguous()
+        assert block_ids.numel() * block_size >= context_len + q_len
+        out = torch.empty((q_len, heads, head_dim), dtype=q.dtype)
+        rc = self._fns[q.dtype](
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            block_ids.data_ptr(),
+            context_len,
+            q_len,
+            heads // kv_heads,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("paged prefill attention: could not allocate scratch memory")
+        return out
+
+
+def load_paged_prefill() -> PagedPrefillKernel | None:
+    """The kernel, built on first use; None where native kernels are off or unbuildable."""
+    lib = load_library("paged_prefill")
+    return None if lib is None else PagedPrefillKernel(lib)

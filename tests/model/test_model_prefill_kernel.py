@@ -1,0 +1,76 @@
+"""Attention layers with the paged prefill kernel: every prefill (fresh or after a cached
+prefix) read in place from the pool gives the reference result, in mixed batches too."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from kvferry.model.attention_workspace import AttentionWorkspace
+from kvferry.native.paged_decode import load_paged_decode
+from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
+from kvferry.worker.cpu_backend import DECODE_GATHER_BYTES, CPUBackend
+from tests.model.test_model_attention import MIXED, Scenario
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
+)
+
+
+class _Counting(PagedPrefillKernel):
+    """The real kernel, counting its calls."""
+
+    calls = 0
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+        type(self).calls += 1
+        return super().__call__(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def _workspace() -> AttentionWorkspace:
+    kernel = load_paged_prefill()
+    assert kernel is not None
+    counting = _Counting.__new__(_Counting)
+    counting.__dict__.update(kernel.__dict__)
+    _Counting.calls = 0
+    return AttentionWorkspace(
+        decode_kernel=load_paged_decode(),
+        prefill_kernel=counting,
+        decode_gather_bytes=DECODE_GATHER_BYTES,
+    )
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        MIXED,
+        [(0, 40)],  # one fresh prefill
+        [(31, 17)],  # one chunk with context
+        [(2048 - 64, 64), (0, 300), (5, 1)],  # a long prefix, a fresh prompt, a decode
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefills_through_the_kernel_match_reference(
+    steps: list[tuple[int, int]], dtype: torch.dtype
+) -> None:
+    s = Scenario(8, 2, 32, 16, steps, dtype=dtype, seed=len(steps))
+    out = s.run(workspace=_workspace())
+    assert _Counting.calls == sum(1 for _, n in steps if n > 1)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), s.expected(), atol=tol, rtol=tol)
+
+
+def test_unsupported_head_dim_falls_back() -> None:
+    s = Scenario(4, 4, 8, 4, [(0, 9), (7, 5)], seed=1)
+    out = s.run(workspace=_workspace())
+    assert _Counting.calls == 0
+    torch.testing.assert_close(out.double(), s.expected(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_offers_the_kernel(dtype: torch.dtype) -> None:
+    assert CPUBackend(dtype).attention_workspace().prefill_kernel is not None
+    assert CPUBackend(dtype, native_kernels=False).attention_workspace().prefill_kernel is None

@@ -1,0 +1,88 @@
+"""The paged prefill attention kernel against torch's SDPA on random data."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvferry.native.paged_prefill import load_paged_prefill
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
+)
+
+
+def _reference(
+    q: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, ctx: int, scale: float
+) -> torch.Tensor:
+    """SDPA in fp32 on the gathered sequence with a causal mask shifted by ``ctx``."""
+    q_len, _, head_dim = q.shape
+    seq = ctx + q_len
+    k = cache[0][block_ids].flatten(0, 1)[:seq].float()
+    v = cache[1][block_ids].flatten(0, 1)[:seq].float()
+    mask = torch.arange(seq)[None, :] <= (torch.arange(q_len) + ctx)[:, None]
+    o = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(16, 4, 64, 16), (4, 4, 32, 16), (8, 1, 64, 4), (6, 2, 128, 32)],
+)
+@pytest.mark.parametrize(
+    ("ctx", "q_len"),
+    # fresh prompts (one tile, several, a partial last tile) and chunks after a cached prefix
+    [(0, 2), (0, 17), (0, 150), (1, 5), (37, 64), (100, 29), (256, 96)],
+)
+def test_matches_sdpa(
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    ctx: int,
+    q_len: int,
+) -> None:
+    kernel = load_paged_prefill()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(ctx * 1000 + q_len)
+    seq = ctx + q_len
+    nblocks = -(-seq // block_size)
+    pool = nblocks + 5
+    cache = torch.randn(2, pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # The request's blocks sit at scattered places in the pool.
+    block_ids = torch.randperm(pool, generator=gen)[:nblocks].contiguous()
+    # q as the model hands it over: a strided view into a wider row (qkv projection).
+    qkv = torch.randn(q_len, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    q = qkv[:, :heads]
+    scale = head_dim**-0.5
+    out = kernel(q, cache, block_ids, ctx, scale)
+    assert out.shape == (q_len, heads, head_dim) and out.dtype == dtype
+    ref = _reference(q, cache, block_ids, ctx, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    else:  # only the output's rounding to bf16 differs
+        torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+        assert (out.float() - ref.to(dtype).float()).abs().max() <= 2e-2
+
+
+def test_supports() -> None:
+    kernel = load_paged_prefill()
+    assert kernel is not None
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    assert kernel.supports(cache, torch.zeros(3, 8, 64))
+    assert not kernel.supports(cache, torch.zeros(3, 8, 64, dtype=torch.bfloat16))
+    assert not kernel.supports(torch.zeros(2, 4, 16, 2, 24), torch.zeros(3, 8, 24))
+    assert not kernel.supports(cache.to(torch.float16), torch.zeros(3, 8, 64).half())
