@@ -40,6 +40,12 @@ def native_kernels() -> bool:
     return _flag("KVFERRY_NATIVE_KERNELS", default=True)
 
 
+def cpu_isa() -> str | None:
+    """KVFERRY_CPU_ISA: cap the CPU level the engine's paths assume (``avx512``, ``avx2``,
+    ``scalar``; default ``auto``), e.g. to run the AVX2 paths on an AVX-512 CPU."""
+    return os.environ.get("KVFERRY_CPU_ISA") or None
+
+
 def kernel_cache_dir() -> str | None:
     """KVFERRY_KERNEL_CACHE: where built kernels are kept (default ~/.cache/kvferry/kernels)."""
     return os.environ.get("KVFERRY_KERNEL_CACHE") or None

@@ -14,7 +14,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 def machine_info() -> dict[str, Any]:
-    """Platform, CPU model and vector ISA, load average, memory, torch and git commit."""
+    """Platform, CPU model and vector ISA (and the level kvferry's CPU paths use), load average, memory, torch and git commit."""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -34,6 +34,13 @@ def machine_info() -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    try:
+        from kvferry.worker.cpu_features import cpu_features
+
+        # What the engine's CPU paths assume (KVFERRY_CPU_ISA may cap it below the flags).
+        info["kvferry_cpu"] = cpu_features().as_dict()
     except ImportError:
         pass
     commit = _git_commit()

@@ -13,26 +13,44 @@ Which path serves what (all on CPU):
 * fp32: each linear layer gets a oneDNN-packed copy of its weight for small steps (decode);
   where torch has no oneDNN the weight becomes input-major instead. Fused norm, rotary and
   SiLU-and-mul kernels serve the elementwise steps.
-* bf16/fp16 without native half-precision GEMMs (e.g. AVX2 only): weights are widened to fp32
-  per call for steps large enough to gain from it, and the logits get a persistent packed fp32
-  copy. Half-precision weights keep their layout otherwise: without native bf16/fp16 GEMMs a
+* bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
+  weight for small steps and torch's bf16 product (oneDNN too) on the dense weight above.
+* bf16 without them (e.g. AVX2 only, or ``KVFERRY_CPU_ISA=avx2``): steps of at most
+  :data:`BF16_KERNEL_MAX_ROWS` rows, the logits included, run the C kernel that reads the bf16
+  weights as they are and widens them in registers (the variant of the CPU's level); larger
+  steps widen the weight to fp32 for the call, as does every step where the kernel cannot be
+  built (the logits then keep a persistent packed fp32 copy).
+* fp16 without native fp16 GEMMs: weights are widened to fp32 per call for steps large enough
+  to gain from it. Half-precision weights keep their layout: without native bf16/fp16 GEMMs a
   transposed one falls onto a much slower path.
 * fp32 and bf16: decode attention reads the paged pool in place (C kernel); other decodes are
   gathered a cache-sized chunk of requests at a time.
 * greedy sampling: a C argmax.
+
+The CPU's features (:mod:`kvferry.worker.cpu_features`) are detected once per process; each
+backend logs them with the paths it chose in one line, and :meth:`CPUBackend.describe` gives
+the same facts to benchmarks.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from kvferry.logger import fmt_fields, init_logger
 from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.model.layers import GatedMLP, Linear, RMSNorm
 from kvferry.model.llama import CausalLM, DecoderAttention
 from kvferry.native.argmax import ArgmaxKernel, load_argmax
+from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
+from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
+from kvferry.worker.cpu_features import CPUFeatures, cpu_features
+
+logger = init_logger(__name__)
 
 # Up to this many rows a oneDNN-packed weight beats MKL on a dense one: the GEMM streams the
 # weight from memory, and the blocked layout streams faster. Larger steps are compute-bound.
@@ -43,23 +61,25 @@ _UPCAST_MIN_ROWS = 6
 DECODE_GATHER_BYTES = 4 << 20
 
 
-def _native_half_matmul(dtype: torch.dtype) -> bool:
-    """Whether this CPU has bf16/fp16 matrix instructions (AVX512-BF16, AMX)."""
-    probes = {
-        torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-        torch.float16: ("_is_amx_fp16_supported",),
-    }[dtype]
-    for name in probes:
-        probe = getattr(torch.cpu, name, None)
-        try:
-            if probe is not None and probe():
-                return True
-        except RuntimeError:
-            pass
-    return False
+# Up to this many rows the bf16 C kernel beats widening the weight to fp32 for the call on a
+# CPU without bf16 instructions: below it the step is bound by the weight's bytes, which the
+# kernel reads once, as bf16; above it the fp32 GEMM's higher arithmetic rate wins.
+BF16_KERNEL_MAX_ROWS = 128
 
 
-_NATIVE_HALF = {dt: _native_half_matmul(dt) for dt in (torch.bfloat16, torch.float16)}
+def _native_fp16_matmul(features: CPUFeatures) -> bool:
+    probe = getattr(torch.cpu, "_is_amx_fp16_supported", None)
+    try:
+        return features.isa == "avx512" and probe is not None and bool(probe())
+    except RuntimeError:
+        return False
+
+
+# Whether bf16/fp16 GEMMs run on matrix instructions (AVX512-BF16, AMX) at the level in use.
+_NATIVE_HALF = {
+    torch.bfloat16: cpu_features().native_bf16,
+    torch.float16: _native_fp16_matmul(cpu_features()),
+}
 
 
 def emulated_half_matmul(dtype: torch.dtype) -> bool:
@@ -76,8 +96,9 @@ def input_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-blocked copy of an fp32 ``(out, in)`` CPU weight for :func:`cpu_linear`, or
-    None where this torch build has no oneDNN."""
+    """A oneDNN-blocked copy of an fp32 ``(out, in)`` CPU weight (or a bf16 one, where the CPU
+    has bf16 instructions) for :func:`cpu_linear`, or None where this torch build has no
+    oneDNN."""
     try:
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     except (AttributeError, RuntimeError):
@@ -90,57 +111,96 @@ def cpu_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    emulated: bool | None = None,
 ) -> torch.Tensor:
     """``F.linear`` with two CPU fast paths.
 
-    ``packed`` (from :func:`pack_weight`, always fp32): used for 2-D inputs of at most
+    ``packed`` (from :func:`pack_weight`, fp32 or bf16): used for 2-D inputs of at most
     :data:`PACKED_MAX_ROWS` rows, where the GEMM streams the weight from memory and oneDNN's
-    blocked layout streams it faster than MKL does a plain matrix. A half precision input is
-    computed in fp32 and rounded back, as the path below does.
+    blocked layout streams it faster than a plain matrix. A bf16 input meets a bf16 packed
+    weight as it is; otherwise the input is computed in fp32 and rounded back, as the path
+    below does.
 
     Half precision on a CPU without bf16/fp16 matrix instructions (e.g. AVX2 only): torch
     emulates those GEMMs, far slower than fp32, so the weight is widened to fp32 for the call
     instead: bf16 x bf16 products are exact in fp32 and both paths accumulate in fp32, so the
-    result only differs by summation order. Elsewhere this is F.linear.
+    result only differs by summation order. ``emulated`` says whether this CPU is such a one
+    (default: :func:`emulated_half_matmul`). Elsewhere this is F.linear.
     """
     if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+        if packed.dtype == x.dtype:
+            same: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), packed, bias, "none", [], ""
+            )
+            return same
         b = None if bias is None else bias.float()
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.float().contiguous(), packed, b, "none", [], ""
         )
         return out.to(x.dtype)
-    if (
-        x.device.type == "cpu"
-        and emulated_half_matmul(x.dtype)
-        and x.numel() >= _UPCAST_MIN_ROWS * x.shape[-1]
-    ):
+    if emulated is None:
+        emulated = emulated_half_matmul(x.dtype)
+    if x.device.type == "cpu" and emulated and x.numel() >= _UPCAST_MIN_ROWS * x.shape[-1]:
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
 class CPULinear:
-    """A ``Linear.kernel``: :func:`cpu_linear` with the layer's packed weight, if any."""
+    """A ``Linear.kernel``: :func:`cpu_linear` with the layer's packed weight, if any, and the
+    backend's answer to whether half-precision products are emulated (None: this CPU's)."""
 
-    def __init__(self, packed: torch.Tensor | None) -> None:
+    def __init__(self, packed: torch.Tensor | None, emulated: bool | None = None) -> None:
         self.packed = packed
+        self.emulated = emulated
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        return cpu_linear(x, weight, bias, self.packed)
+        return cpu_linear(x, weight, bias, self.packed, self.emulated)
+
+
+class BF16Linear:
+    """A ``Linear.kernel`` for bf16 on a CPU without bf16 instructions: the C kernel for 2-D
+    steps of at most ``max_rows`` rows (reading the bf16 weight once), the weight widened to
+    fp32 for the call otherwise. Both sum exact products in fp32 and round once to bf16."""
+
+    def __init__(self, kernel: BF16LinearKernel, max_rows: int) -> None:
+        self.kernel = kernel
+        self.max_rows = max_rows
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and self.kernel.supports(x, weight):
+            return self.kernel(x, weight, bias)
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(x.dtype)
 
 
 class CPUBackend:
-    """The CPU choices for a model of ``dtype``. ``native_kernels=False`` keeps torch ops
-    wherever a C kernel would serve (weight layouts still apply); ``KVFERRY_NATIVE_KERNELS=0``
-    has the same effect, and a kernel that cannot be built is left out the same way."""
+    """The CPU choices for a model of ``dtype`` on a CPU with ``features`` (default: this
+    one's, under ``KVFERRY_CPU_ISA``). ``native_kernels=False`` keeps torch ops wherever a C
+    kernel would serve (weight layouts still apply); ``KVFERRY_NATIVE_KERNELS=0`` has the same
+    effect, and a kernel that cannot be built is left out the same way."""
 
-    def __init__(self, dtype: torch.dtype, native_kernels: bool = True) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        native_kernels: bool = True,
+        features: CPUFeatures | None = None,
+    ) -> None:
         self.dtype = dtype
+        self.features = features or cpu_features()
         self.fused_ops: FusedOps | None = None
         self.decode_kernel: PagedDecodeKernel | None = None
+        self.prefill_kernel: PagedPrefillKernel | None = None
         self.argmax: ArgmaxKernel | None = None
+        self.bf16_linear: BF16LinearKernel | None = None
+        if dtype == torch.bfloat16:
+            self.native_half = self.features.native_bf16
+        else:
+            self.native_half = dtype == torch.float16 and _native_fp16_matmul(self.features)
         if native_kernels:
             # Fused kernels are fp32 only: in half precision the torch ops round after every
             # step exactly as Hugging Face does, which a fused kernel would not.
@@ -148,42 +208,79 @@ class CPUBackend:
                 self.fused_ops = load_fused_ops()
             if dtype in PagedDecodeKernel.DTYPES:
                 self.decode_kernel = load_paged_decode()
+            if dtype in PagedPrefillKernel.DTYPES:
+                self.prefill_kernel = load_paged_prefill()
+            if dtype == torch.bfloat16 and not self.native_half:
+                self.bf16_linear = load_bf16_linear(self.features.isa)
             self.argmax = load_argmax()
+        self.paths: dict[str, str] = {}
 
     def prepare_model(self, model: CausalLM) -> None:
         """Lay out ``model``'s weights and set its hooks; inference only from then on (the
         kernels write through raw pointers, out of autograd's sight)."""
-        if self.dtype == torch.float32:
-            self._pack_fp32(model)
-        elif emulated_half_matmul(self.dtype):
-            widen = CPULinear(None)
+        if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.native_half):
+            self._pack(model)
+        elif self.bf16_linear is not None:
+            hook = BF16Linear(self.bf16_linear, BF16_KERNEL_MAX_ROWS)
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.kernel = hook
+            model.logits_kernel = hook
+            name = f"c-bf16-{self.bf16_linear.variant}<={hook.max_rows}rows,widen"
+            self.paths.update(linear=name, logits=name)
+        elif self.dtype in _NATIVE_HALF and not self.native_half:
+            widen = CPULinear(None, emulated=True)
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.kernel = widen
             # Widening the vocabulary-sized matrix per step costs more than the product
             # itself at decode sizes, so the logits keep a widened copy (4 bytes per
             # vocabulary entry and hidden unit).
-            model.logits_kernel = CPULinear(pack_weight(_logits_weight(model).data.float()))
+            logits = pack_weight(_logits_weight(model).data.float())
+            model.logits_kernel = CPULinear(logits, emulated=True)
+            self.paths.update(linear=f"torch-{_name(self.dtype)},widen>={_UPCAST_MIN_ROWS}rows")
+            self.paths.update(logits="fp32-copy")
+        else:
+            self.paths.update(
+                linear=f"torch-{_name(self.dtype)}", logits=f"torch-{_name(self.dtype)}"
+            )
         for module in model.modules():
             if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
                 module.fused = self.fused_ops
+        self.paths.update(
+            fused_ops="c" if self.fused_ops is not None else "torch",
+            decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",
+            prefill_attention="c-paged" if self.prefill_kernel is not None else "torch",
+            argmax="c" if self.argmax is not None else "torch",
+        )
+        logger.info(fmt_fields("CPU paths", dtype=_name(self.dtype), **self.describe()))
+
+    def describe(self) -> dict[str, Any]:
+        """The CPU's features and, once :meth:`prepare_model` ran, the path of each step."""
+        return {**self.features.as_dict(), **self.paths}
 
     def attention_workspace(self) -> AttentionWorkspace:
         return AttentionWorkspace(
-            decode_kernel=self.decode_kernel, decode_gather_bytes=DECODE_GATHER_BYTES
+            decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
+            decode_gather_bytes=DECODE_GATHER_BYTES,
         )
 
-    @staticmethod
-    def _pack_fp32(model: CausalLM) -> None:
-        """Each weight gets a oneDNN-packed copy for steps of at most :data:`PACKED_MAX_ROWS`
-        rows, which doubles the memory the weights take; larger steps use the dense weight,
-        whose layout does not matter there. Where torch has no oneDNN, weights become
-        input-major instead, which MKL streams faster for steps of a few rows."""
+    def _pack(self, model: CausalLM) -> None:
+        """Each weight (fp32, or bf16 on a CPU with bf16 instructions) gets a oneDNN-packed
+        copy for steps of at most :data:`PACKED_MAX_ROWS` rows, which doubles the memory the
+        weights take; larger steps use the dense weight, whose layout does not matter there.
+        Where torch has no oneDNN, fp32 weights become input-major instead, which MKL streams
+        faster for steps of a few rows; bf16 ones stay as they are."""
+        self.paths.update(linear=f"onednn-{_name(self.dtype)}-packed<={PACKED_MAX_ROWS}rows,torch")
         for module in model.modules():
             if isinstance(module, Linear):
                 packed = pack_weight(module.weight.data)
                 if packed is None:
-                    module.weight.data = input_major(module.weight.data)
+                    if self.dtype == torch.float32:
+                        module.weight.data = input_major(module.weight.data)
+                    layout = "input-major" if self.dtype == torch.float32 else _name(self.dtype)
+                    self.paths.update(linear=f"torch-{layout}")
                 else:
                     module.kernel = CPULinear(packed)
         if model.tie_word_embeddings:
@@ -191,9 +288,14 @@ class CPUBackend:
             model.logits_kernel = None if packed is None else CPULinear(packed)
         else:
             model.logits_kernel = model.lm_head.kernel
+        self.paths.update(logits=self.paths["linear"])
 
 
 def _logits_weight(model: CausalLM) -> torch.Tensor:
     if model.tie_word_embeddings:
         return model.model.embed_tokens.weight
     return model.lm_head.weight
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

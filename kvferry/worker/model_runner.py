@@ -69,6 +69,8 @@ class ModelRunner:
         cpu = CPUBackend(model.dtype) if device.type == "cpu" else None
         if cpu is not None:
             cpu.prepare_model(model)
+        # Kept for what it chose (``describe()``: CPU features and paths, for benchmarks).
+        self.cpu_backend = cpu
         # Scratch memory and kernel choices every attention layer uses, reused across steps.
         self.attn_workspace = AttentionWorkspace() if cpu is None else cpu.attention_workspace()
         self.sampler = Sampler(

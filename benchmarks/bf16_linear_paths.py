@@ -1,0 +1,106 @@
+"""Time of one decoder layer's linear layers (plus the logits) in bf16, per path and step size.
+
+The paths a bf16 model's linear layers can take on a CPU (``kvferry.worker.cpu_backend``):
+
+    torch      F.linear on the bf16 weights (oneDNN's bf16 GEMM where the CPU has bf16
+               instructions, a slow emulation where it does not)
+    packed     oneDNN-packed bf16 weights (torch.ops.mkldnn._reorder_linear_weight)
+    widen      the weight widened to fp32 for the call, then an fp32 GEMM
+    c-<isa>    the C kernel that reads bf16 weights as they are (csrc/bf16_linear.c), in each
+               variant this CPU runs (avx512, avx2, scalar)
+
+Shapes: ``mid`` (hidden 1024, intermediate 2048, 16/4 heads of 64, vocab 32000) and
+``qwen3-0.6b`` (hidden 1024, intermediate 3072, q 2048 / kv 1024, vocab 151936). Paths are
+interleaved rep by rep and each cell is the median, so a busy machine slows all alike; the
+CPU's features are printed first. ``--no-logits`` leaves the vocabulary matrix out (prefill
+steps compute logits only for the rows they sample).
+
+    .venv/bin/python benchmarks/bf16_linear_paths.py
+    .venv/bin/python benchmarks/bf16_linear_paths.py --shape qwen3-0.6b --rows 1,8,64 --paths torch,c-avx2
+    .venv/bin/python benchmarks/bf16_linear_paths.py --rows 512,2048 --no-logits --paths torch,packed,widen
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from kvferry.native.bf16_linear import VARIANTS, load_bf16_linear
+from kvferry.worker.cpu_features import ISA_LEVELS, cpu_features
+
+# (out, in) of qkv, o, gate_up, down; then the logits matrix.
+SHAPES: dict[str, tuple[list[tuple[int, int]], tuple[int, int]]] = {
+    "mid": ([(1536, 1024), (1024, 1024), (4096, 1024), (1024, 2048)], (32000, 1024)),
+    "qwen3-0.6b": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], (151936, 1024)),
+}
+Path_ = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def build_paths(names: list[str], weights: list[torch.Tensor]) -> dict[str, Path_]:
+    paths: dict[str, Path_] = {}
+    for name in names:
+        if name == "torch":
+            paths[name] = lambda x, i: F.linear(x, weights[i])
+        elif name == "packed":
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+            paths[name] = lambda x, i, p=packed: torch.ops.mkldnn._linear_pointwise(
+                x, p[i], None, "none", [], ""
+            )
+        elif name == "widen":
+            paths[name] = lambda x, i: F.linear(x.float(), weights[i].float()).bfloat16()
+        elif name.startswith("c-"):
+            kernel = load_bf16_linear(name[2:])  # type: ignore[arg-type]
+            if kernel is None:
+                print(f"skipping {name}: kernel unavailable")
+                continue
+            paths[name] = lambda x, i, k=kernel: k(x, weights[i])
+        else:
+            raise SystemExit(f"unknown path {name!r}")
+    return paths
+
+
+def main() -> None:
+    own = ISA_LEVELS.index(cpu_features().cpu_isa)
+    runnable = [f"c-{v}" for v in VARIANTS if ISA_LEVELS.index(v) <= own and v != "scalar"]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="mid")
+    ap.add_argument("--rows", default="1,4,16,64")
+    ap.add_argument("--paths", default=",".join(["torch", "packed", *runnable, "widen"]))
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--no-logits", action="store_true")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print("cpu", cpu_features().as_dict(), "threads", args.threads)
+    layer, logits = SHAPES[args.shape]
+    shapes = layer if args.no_logits else [*layer, logits]
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(o, i, generator=g) * 0.02).bfloat16() for o, i in shapes]
+    paths = build_paths(args.paths.split(","), weights)
+    print(f"shape={args.shape} logits={not args.no_logits} median ms per layer(+logits)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(rows, w.shape[1], generator=g).bfloat16() for w in weights]
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for rep in range(args.reps + 1):
+            for name, fn in paths.items():
+                t = time.perf_counter()
+                for i, x in enumerate(xs):
+                    fn(x, i)
+                if rep:  # the first round warms caches and builds
+                    times[name].append(time.perf_counter() - t)
+        cells = " ".join(f"{p}={statistics.median(v) * 1e3:.2f}" for p, v in times.items())
+        print(f"rows={rows} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+/*
+ * out = x @ w.T (+ bias) for bf16 x, w, bias and out, accumulated in fp32: the linear layers
+ * of a bf16 model at decode sizes (a few rows), on CPU engines.
+ *
+ * A step of a few rows is bound by the bytes of the weight it reads. Widening the weight to
+ * fp32 first writes and re-reads twice those bytes, and torch's own bf16 product is slow
+ * wherever the CPU has no bf16 instructions; here each weight element is read once, as
+ * bf16, and widened in registers (a bf16 is the top half of an fp32: a shift widens the
+ * even-indexed elements of a vector, a mask the odd ones; x, widened once per call, is stored
+ * in the same even/odd order so the products pair up).
+ *
+ * Layouts: x [M, K] and out [M, N] with row strides in elements, w [N, K] with a row stride;
+ * the K elements of a row are contiguous. Products are exact in fp32; sums run in fp32 and
+ * the result is rounded to bf16 to nearest even, as torch rounds.
+ *
+ * Variants: AVX-512F and AVX2+FMA (x86-64, compiled through target attributes whatever
+ * -march says, so one build serves both kinds of CPU and a caller may pick the smaller one),
+ * and portable C. kvf_bf16_linear_variants() says which are in this build; the caller must
+ * only ask for one the CPU runs. A target attribute adds to -march=native, so on an AVX-512
+ * CPU the AVX2 variant may still use AVX-512VL encodings; on an AVX2-only CPU it is pure
+ * AVX2. Work is split over OpenMP threads by blocks of outputs.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define KVF_SCALAR 0
+#define KVF_AVX2 1
+#define KVF_AVX512 2
+
+/* Below this many multiply-adds a team of threads costs more than it saves. */
+#define PARALLEL_MIN_MACS (1 << 17)
+/* Weight rows per tile (their K elements stay in L1 while every x row passes over them) and
+ * x rows per tile, per variant: as many accumulators as the vector registers hold. */
+#define NT 4
+#define MT512 4
+/* Weight rows per panel, a multiple of both tile widths: a panel (PANEL x K bf16) stays in
+ * L2 while every tile of x rows, in L1, passes over it, so the weights come from memory once
+ * whatever the number of rows. */
+#define PANEL 48
+#define NT256 3
+#define MT256 4
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void store_out(uint16_t *out, int64_t so, const uint16_t *bias, int64_t m,
+                             int64_t n, float acc) {
+    if (bias) acc += bf16_to_f32(bias[n]);
+    out[m * so + n] = f32_to_bf16(acc);
+}
+
+/* ---- portable ------------------------------------------------------------------------ */
+
+static void rows_scalar(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
+                        const uint16_t *bias, int64_t M, int64_t n0, int64_t n1, int64_t K,
+                        uint16_t *out, int64_t so) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = w + n * sw;
+        for (int64_t m = 0; m < M; m++) {
+            const uint16_t *xr = x + m * sx;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += bf16_to_f32(xr[k]) * bf16_to_f32(wr[k]);
+            store_out(out, so, bias, m, n, acc);
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+/* ---- AVX-512F: 16 lanes, tiles of up to 4 x rows by NT weight rows -------------------- */
+
+#define T512 __attribute__((target("avx512f"), always_inline)) static inline
+
+/* 32 bf16 weights as two fp32 vectors: the even-indexed ones (shifted into the top half)
+ * and the odd-indexed ones (already there, the even ones masked off). */
+T512 __m512 even512(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
+}
+T512 __m512 odd512(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* One tile of MT x rows (fp32, widened once per call) by NR weight rows; MT, NR are
+ * constants after inlining. */
+T512 void tile512(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
+                  const uint16_t *bias, int64_t m0, int MT, int64_t n0, int NR, int64_t K,
+                  uint16_t *out, int64_t so) {
+    __m512 acc[MT512][NT];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t kv = K & ~(int64_t)(2 * 16 - 1);
+    for (int64_t k = 0; k < kv; k += 32) {
+        __m512 we[NT], wo[NT];
+        for (int j = 0; j < NR; j++) {
+            we[j] = even512(w + (n0 + j) * sw + k);
+            wo[j] = odd512(w + (n0 + j) * sw + k);
+        }
+        for (int i = 0; i < MT; i++) {
+            __m512 xe = _mm512_loadu_ps(x + (m0 + i) * sx + k);
+            __m512 xo = _mm512_loadu_ps(x + (m0 + i) * sx + k + 16);
+            for (int j = 0; j < NR; j++) {
+                acc[i][j] = _mm512_fmadd_ps(xe, we[j], acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(xo, wo[j], acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        for (int j = 0; j < NR; j++) {
+            float s = _mm512_reduce_add_ps(acc[i][j]);
+            const float *xr = x + (m0 + i) * sx;
+            const uint16_t *wr = w + (n0 + j) * sw;
+            for (int64_t k = kv; k < K; k++) s += xr[k] * bf16_to_f32(wr[k]);
+            store_out(out, so, bias, m0 + i, n0 + j, s);
+        }
+    }
+}
+
+/* All weight tiles of the panel [p0, p1) against the x rows [m, m + MT_). */
+#define TILE512_COLS(MT_)                                                                    \
+    do {                                                                                     \
+        int64_t n = p0;                                                                      \
+        for (; n + NT <= p1; n += NT) tile512(x, sx, w, sw, bias, m, MT_, n, NT, K, out, so); \
+        for (; n < p1; n++) tile512(x, sx, w, sw, bias, m, MT_, n, 1, K, out, so);           \
+    } while (0)
+
+__attribute__((target("avx512f"))) static void
+rows_avx512(const float *x, int64_t sx, const uint16_t *w, int64_t sw, const uint16_t *bias,
+            int64_t M, int64_t n0, int64_t n1, int64_t K, uint16_t *out, int64_t so) {
+    for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
+        const int64_t p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
+        int64_t m = 0;
+        for (; m + MT512 <= M; m += MT512) TILE512_COLS(MT512);
+        switch (M - m) {
+        case 3: TILE512_COLS(3); break;
+        case 2: TILE512_COLS(2); break;
+        case 1: TILE512_COLS(1); break;
+        }
+    }
+}
+
+/* ---- AVX2 + FMA: 8 lanes, tiles of up to 4 x rows by 3 weight rows (16 registers) ------- */
+
+#define T256 __attribute__((target("avx2,fma"), always_inline)) static inline
+
+T256 __m256 even256(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)p), 16));
+}
+T256 __m256 odd256(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p),
+                                                _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+T256 float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+T256 void tile256(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
+                  const uint16_t *bias, int64_t m0, int MT, int64_t n0, int NR, int64_t K,
+                  uint16_t *out, int64_t so) {
+    __m256 acc[MT256][NT256];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    const int64_t kv = K & ~(int64_t)(2 * 8 - 1);
+    for (int64_t k = 0; k < kv; k += 16) {
+        /* Even then odd halves, each weight vector loaded again from L1, so that the tile's
+         * accumulators, one weight vector per row and an x vector fit the 16 registers. */
+        __m256 wv[NT256];
+        for (int j = 0; j < NR; j++) wv[j] = even256(w + (n0 + j) * sw + k);
+        for (int i = 0; i < MT; i++) {
+            __m256 xv = _mm256_loadu_ps(x + (m0 + i) * sx + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+        for (int j = 0; j < NR; j++) wv[j] = odd256(w + (n0 + j) * sw + k);
+        for (int i = 0; i < MT; i++) {
+            __m256 xv = _mm256_loadu_ps(x + (m0 + i) * sx + k + 8);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        for (int j = 0; j < NR; j++) {
+            float s = hsum256(acc[i][j]);
+            const float *xr = x + (m0 + i) * sx;
+            const uint16_t *wr = w + (n0 + j) * sw;
+            for (int64_t k = kv; k < K; k++) s += xr[k] * bf16_to_f32(wr[k]);
+            store_out(out, so, bias, m0 + i, n0 + j, s);
+        }
+    }
+}
+
+#define TILE256_COLS(MT_)                                                                    \
+    do {                                                                                     \
+        int64_t n = p0;                                                                      \
+        for (; n + NT256 <= p1; n += NT256)                                                  \
+            tile256(x, sx, w, sw, bias, m, MT_, n, NT256, K, out, so);                       \
+        for (; n < p1; n++) tile256(x, sx, w, sw, bias, m, MT_, n, 1, K, out, so);           \
+    } while (0)
+
+__attribute__((target("avx2,fma"))) static void
+rows_avx2(const float *x, int64_t sx, const uint16_t *w, int64_t sw, const uint16_t *bias,
+          int64_t M, int64_t n0, int64_t n1, int64_t K, uint16_t *out, int64_t so) {
+    for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
+        const int64_t p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
+        int64_t m = 0;
+        for (; m + MT256 <= M; m += MT256) TILE256_COLS(MT256);
+        switch (M - m) {
+        case 3: TILE256_COLS(3); break;
+        case 2: TILE256_COLS(2); break;
+        case 1: TILE256_COLS(1); break;
+        }
+    }
+}
+
+#define KVF_VARIANTS ((1 << KVF_SCALAR) | (1 << KVF_AVX2) | (1 << KVF_AVX512))
+#else
+#define KVF_VARIANTS (1 << KVF_SCALAR)
+#endif
+
+/* Bit v set: variant v (KVF_SCALAR, KVF_AVX2, KVF_AVX512) is in this build. */
+int kvf_bf16_linear_variants(void) { return KVF_VARIANTS; }
+
+/* x widened to fp32 once per call, in a buffer the calling thread keeps: decode calls are
+ * small and many, and a fresh allocation of this size would fault its pages in every time. */
+static _Thread_local float *xbuf;
+static _Thread_local int64_t xbuf_len;
+
+/* Each full block of 2 * lanes elements is stored evens first, then odds, the order in which
+ * the tiles widen the weights; the tail past the last full block keeps its order. */
+static const float *widen_x(const uint16_t *x, int64_t sx, int64_t M, int64_t K, int64_t lanes) {
+    if (xbuf_len < M * K) {
+        free(xbuf);
+        xbuf = malloc((size_t)(M * K) * sizeof(float));
+        xbuf_len = xbuf ? M * K : 0;
+        if (!xbuf) return 0;
+    }
+    const int64_t blk = 2 * lanes, kv = K - K % blk;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * sx;
+        float *d = xbuf + m * K;
+        for (int64_t k = 0; k < kv; k += blk)
+            for (int64_t i = 0; i < lanes; i++) {
+                d[k + i] = bf16_to_f32(xr[k + 2 * i]);
+                d[k + lanes + i] = bf16_to_f32(xr[k + 2 * i + 1]);
+            }
+        for (int64_t k = kv; k < K; k++) d[k] = bf16_to_f32(xr[k]);
+    }
+    return xbuf;
+}
+
+/* Returns 0; -1 when `variant` is not in this build, -2 when out of memory (nothing is
+ * written then). */
+int kvf_bf16_linear(int variant, const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
+                    const uint16_t *bias, int64_t M, int64_t N, int64_t K, uint16_t *out,
+                    int64_t so, int num_threads) {
+    if (variant < 0 || variant > KVF_AVX512 || !(KVF_VARIANTS & (1 << variant))) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const float *xf = 0;
+    if (variant != KVF_SCALAR && !(xf = widen_x(x, sx, M, K, variant == KVF_AVX2 ? 8 : 16)))
+        return -2;
+    /* Blocks of outputs, whole blocks per thread, so every tile but the last is full. */
+    const int64_t nb = variant == KVF_AVX2 ? NT256 : NT;
+    const int64_t blocks = (N + nb - 1) / nb;
+    const int parallel = M * N * K >= PARALLEL_MIN_MACS && num_threads > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        int64_t t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        int64_t n0 = b0 * nb, n1 = b1 * nb < N ? b1 * nb : N;
+        if (n0 < n1) {
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (variant == KVF_AVX512)
+                rows_avx512(xf, K, w, sw, bias, M, n0, n1, K, out, so);
+            else if (variant == KVF_AVX2)
+                rows_avx2(xf, K, w, sw, bias, M, n0, n1, K, out, so);
+            else
+#endif
+                rows_scalar(x, sx, w, sw, bias, M, n0, n1, K, out, so);
+        }
+    }
+    return 0;
+}

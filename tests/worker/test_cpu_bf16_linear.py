@@ -1,0 +1,63 @@
+"""The bf16 linear hooks of the CPU backend: oneDNN-packed bf16 weights where the CPU has bf16
+instructions, the C kernel with widening above its row limit where it has not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
+from kvferry.worker import cpu_backend
+from kvferry.worker.cpu_backend import BF16Linear, cpu_linear, pack_weight
+
+
+@pytest.mark.parametrize(
+    "rows", [1, 7, cpu_backend.PACKED_MAX_ROWS, cpu_backend.PACKED_MAX_ROWS + 1]
+)
+def test_packed_bf16_matches_torch_bf16(rows: int) -> None:
+    if not cpu_backend.cpu_features().native_bf16:
+        pytest.skip("this CPU has no bf16 instructions")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    b = torch.randn(48, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()[:, :64]  # strided rows
+    packed = pack_weight(w)
+    assert packed is not None and packed.dtype == torch.bfloat16
+    got = cpu_linear(x, w, b, packed)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, F.linear(x, w, b))
+
+
+class Spy:
+    """A kernel that records the row count of each call it serves."""
+
+    def __init__(self, kernel: BF16LinearKernel) -> None:
+        self.kernel = kernel
+        self.calls: list[int] = []
+
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        return self.kernel.supports(x, w)
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return self.kernel(x, w, b)
+
+
+def test_kernel_hook_widens_above_its_row_limit() -> None:
+    kernel = load_bf16_linear("scalar")
+    if kernel is None:
+        pytest.skip("native kernels are off or unbuildable here")
+    spy = Spy(kernel)
+    hook = BF16Linear(spy, max_rows=4)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(24, 32, generator=g).bfloat16(), torch.randn(24, generator=g).bfloat16()
+    for rows in (1, 4, 5):
+        x = torch.randn(rows, 32, generator=g).bfloat16()
+        want = F.linear(x.float(), w.float(), b.float())
+        got = hook(x, w, b)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=1e-2)
+    assert spy.calls == [1, 4]  # five rows took the widening branch

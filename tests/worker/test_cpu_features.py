@@ -1,0 +1,71 @@
+"""CPU feature detection, the KVFERRY_CPU_ISA cap, and the start-up line of chosen paths."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvferry.config import ConfigError
+from kvferry.worker import cpu_features as cf
+from kvferry.worker.cpu_backend import CPUBackend
+
+
+def test_parse_isa() -> None:
+    assert cf.parse_isa(None) is None and cf.parse_isa("auto") is None
+    assert cf.parse_isa(" AVX2 ") == "avx2"
+    with pytest.raises(ConfigError, match="KVFERRY_CPU_ISA"):
+        cf.parse_isa("sse9")
+
+
+def test_level_from_flags() -> None:
+    assert cf._level(frozenset({"avx2", "fma", "avx512f", "avx512bw"})) == "avx512"
+    assert cf._level(frozenset({"avx2", "fma", "avx512f"})) == "avx2"
+    assert cf._level(frozenset({"avx2"})) == "scalar"
+
+
+def test_native_bf16_needs_avx512_level_and_bf16_instructions() -> None:
+    flags = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
+    assert cf.CPUFeatures("x", flags, "avx512").native_bf16
+    assert not cf.CPUFeatures("x", flags, "avx2", forced="avx2").native_bf16
+    assert not cf.CPUFeatures("x", flags - {"avx512_bf16"}, "avx512").native_bf16
+    assert cf.CPUFeatures("x", flags - {"avx512_bf16"} | {"amx_bf16"}, "avx512").native_bf16
+
+
+def test_cap_lowers_and_never_raises_the_level() -> None:
+    own = cf.detect()
+    assert own.isa == own.cpu_isa and own.forced is None
+    scalar = cf.detect("scalar")
+    assert scalar.isa == "scalar" and not scalar.native_bf16 and scalar.flags == own.flags
+    top = cf.detect("avx512")
+    assert top.isa == own.isa  # a cap above the CPU changes nothing
+
+
+def test_env_cap_applies_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFERRY_CPU_ISA", "scalar")
+    cf.cpu_features.cache_clear()
+    try:
+        assert cf.cpu_features().isa == "scalar"
+        assert cf.cpu_features().as_dict()["forced_isa"] == "scalar"
+    finally:
+        cf.cpu_features.cache_clear()
+
+
+def test_start_up_line_names_features_and_paths(
+    tiny_model_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvferry.config import ModelConfig
+    from kvferry.model.loader import load_model
+
+    model = load_model(
+        ModelConfig(str(tiny_model_factory("llama")), dtype="float32"), torch.device("cpu")
+    )
+    backend = CPUBackend(torch.float32)
+    with caplog.at_level(logging.INFO, logger="kvferry"):
+        backend.prepare_model(model)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU paths")]
+    assert len(lines) == 1
+    facts = backend.describe()
+    for key in ("cpu_model", "cpu_flags", "isa", "native_bf16", "linear", "logits", "argmax"):
+        assert key in facts and f"{key}=" in lines[0]

@@ -1,0 +1,74 @@
+"""Every CPU path a bf16 model can take gives the same greedy tokens: oneDNN-packed bf16
+weights and torch's bf16 product (native bf16 CPUs), the C kernel's AVX2 and portable variants (forced with KVFERRY_CPU_ISA),
+the C kernel with widening for large steps, and widening alone (the kernel unbuildable).
+The other C kernels stay on in every run: they round differently from the torch ops they
+replace, which is not what this compares."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvferry import LLM, SamplingParams
+from kvferry.worker import cpu_backend
+from kvferry.worker import cpu_features as cf
+
+PROMPTS = [[5, 6, 7, 8, 9] * 8, [100, 200, 300], list(range(40, 75))]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_features() -> Iterator[None]:
+    cf.cpu_features.cache_clear()
+    yield
+    cf.cpu_features.cache_clear()
+
+
+def generate(folder: Path, caplog: pytest.LogCaptureFixture) -> tuple[list[list[int]], str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvferry"):
+        llm = LLM(model=str(folder), dtype="bfloat16", max_model_len=256)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU paths")]
+    assert len(lines) == 1
+    # The same facts stay readable for benchmark records.
+    backend = llm.engine.executor.worker.model_runner.cpu_backend
+    assert backend is not None and f"linear={backend.describe()['linear']}" in lines[0]
+    return [list(o.outputs[0].token_ids) for o in outs], lines[0]
+
+
+def test_every_bf16_path_gives_the_same_tokens(
+    tiny_model_factory: Callable[..., Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    folder = tiny_model_factory("qwen3", tie_word_embeddings=True)
+    want, line = generate(folder, caplog)
+    own = cf.cpu_features()
+    runs = {"auto": line}
+    # (level cap, whether the bf16 kernel builds, its row limit): 8 rows sends the prefill
+    # steps to the widening branch and keeps decode on the kernel.
+    cases: list[tuple[str, bool, int]] = [("scalar", True, 128)]
+    if own.cpu_isa != "scalar":
+        cases += [("avx2", True, 128), ("avx2", True, 8), ("avx2", False, 128)]
+    real_loader = cpu_backend.load_bf16_linear
+    for isa, kernel, max_rows in cases:
+        monkeypatch.setenv("KVFERRY_CPU_ISA", isa)
+        monkeypatch.setattr(cpu_backend, "BF16_KERNEL_MAX_ROWS", max_rows)
+        monkeypatch.setattr(
+            cpu_backend, "load_bf16_linear", real_loader if kernel else lambda variant: None
+        )
+        cf.cpu_features.cache_clear()
+        got, line = generate(folder, caplog)
+        runs[f"{isa}-{kernel}-{max_rows}"] = line
+        assert got == want, (isa, kernel, max_rows, line)
+        assert "native_bf16=False" in line and f"isa={isa}" in line
+        if kernel:
+            assert f"linear=c-bf16-{isa}<={max_rows}rows" in line
+        else:
+            assert "linear=torch-bfloat16,widen" in line and "logits=fp32-copy" in line
+    if own.native_bf16:  # the auto run took the packed bf16 weights
+        assert "linear=onednn-bfloat16-packed" in runs["auto"]
