@@ -7,30 +7,37 @@ Two parts:
    MAC and check the claim, its proof and its answer, one heartbeat and its answer; minus the
    same handling without a secret), as a share of the measured TTFT. This is the cost that
    does not drown in the noise of a shared machine.
-2. **End to end**: a prefill and a decode ``kvferry serve`` (NixlConnector, NIXL/UCX on
-   loopback) behind ``kvferry proxy``, started once without and once with a deployment secret
-   (``KVFERRY_KV_SECRET_FILE``), modes alternating per round: sequential streamed requests
-   (TTFT), then the same prompts ``--concurrency`` at a time (throughput).
+2. **End to end**: two P/D deployments, each a prefill and a decode ``kvferry serve``
+   (NixlConnector, NIXL/UCX on loopback) behind ``kvferry proxy``, one without and one with a
+   deployment secret (``KVFERRY_KV_SECRET_FILE``), both up at once. Every prompt goes to one
+   and then the other, the order alternating, and the cost is the median of the per-pair
+   ratios with a bootstrap interval: drift on a shared machine hits both halves of a pair
+   alike. TTFT pairs are single streamed requests; throughput pairs are bursts of
+   ``--concurrency`` fresh prompts.
 
-    .venv/bin/python benchmarks/pd_auth_cost.py                # tiny model, ~1 minute
-    .venv/bin/python benchmarks/pd_auth_cost.py --rounds 3     # less noise
+    .venv/bin/python benchmarks/pd_auth_cost.py                 # tiny model, ~3 minutes
+    .venv/bin/python benchmarks/pd_auth_cost.py --requests 100 --bursts 30   # tighter interval
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
 import time
 import timeit
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tqdm import tqdm
 
 from benchmarks.harness.kv_configs import nixl_kv
 from benchmarks.harness.markdown import markdown_table
@@ -96,129 +103,139 @@ def auth_work_per_request(n: int = 2000) -> float:
     return request_work(True) - request_work(False)
 
 
-def run_mode(
-    model: Path,
-    logs: Path,
-    secret: Path | None,
-    prompts: list[list[int]],
-    max_tokens: int,
-    concurrency: int,
-) -> dict[str, Any]:
+def _env(secret: Path | None) -> dict[str, str]:
     env = serve_env()
     env.pop("KVFERRY_KV_SECRET", None)
     env.pop("KVFERRY_KV_SECRET_FILE", None)
     if secret is not None:
         env["KVFERRY_KV_SECRET_FILE"] = str(secret)
-    tag = "on" if secret else "off"
-    kvs = (nixl_kv(16201), nixl_kv(16301))
-    with pd_deployment(model, logs, FLAGS, kvs, env=env, proxy_env=env, tag=f"-{tag}") as urls:
-        url = urls.proxy
-        for warm in prompts[:2]:
-            stream_completion(url, warm, 4, {})
-        seq: list[dict[str, Any]] = [{} for _ in prompts]
-        for prompt, out in zip(prompts, seq, strict=True):
-            stream_completion(url, prompt, max_tokens, out)
-        par: list[dict[str, Any]] = [{} for _ in prompts]
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            list(
-                pool.map(
-                    lambda a: stream_completion(url, a[0], max_tokens, a[1]),
-                    zip(prompts, par, strict=True),
-                )
+    return env
+
+
+def _median_ci(values: list[float], reps: int = 2000) -> tuple[float, float, float]:
+    """Median of ``values`` and a bootstrap 95% interval around it."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
+    return statistics.median(values), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
+
+
+def measure(
+    model: Path,
+    logs: Path,
+    secret: Path,
+    prompts: list[list[int]],
+    bursts: list[list[list[int]]],
+    max_tokens: int,
+) -> dict[str, Any]:
+    """Both deployments up at once, idle but for the request being timed: every prompt goes
+    to one and then the other (order alternating), so each pair sees the same machine."""
+    with ExitStack() as stack:
+        urls = {
+            "off": stack.enter_context(
+                pd_deployment(model, logs, FLAGS, (nixl_kv(16201), nixl_kv(16301)),
+                              env=_env(None), proxy_env=_env(None), tag="-off")
+            ).proxy,
+            "on": stack.enter_context(
+                pd_deployment(model, logs, FLAGS, (nixl_kv(16401), nixl_kv(16501)),
+                              env=_env(secret), proxy_env=_env(secret), tag="-on")
+            ).proxy,
+        }  # fmt: skip
+        for url in urls.values():
+            for warm in make_prompts(2, 1000, seed=99, min_len=256, max_len=512):
+                stream_completion(url, warm, 4, {})
+        ttft: dict[str, list[float]] = {"off": [], "on": []}
+        for i, prompt in enumerate(tqdm(prompts, desc="TTFT pairs")):
+            for mode in alternating(("off", "on"), i):
+                out: dict[str, Any] = {}
+                stream_completion(urls[mode], prompt, max_tokens, out)
+                ttft[mode].append(out["ttft"])
+        tput: dict[str, list[float]] = {"off": [], "on": []}
+        for i, burst in enumerate(tqdm(bursts, desc="throughput pairs")):
+            for mode in alternating(("off", "on"), i):
+                tput[mode].append(_burst(urls[mode], burst, max_tokens))
+    for tag, secured in (("off", False), ("on", True)):
+        log = (logs / f"decode-{tag}.log").read_text()
+        authenticated = "side channel authenticated" in log
+        assert authenticated == secured, f"decode-{tag}: authentication not as asked"
+    return {"ttft": ttft, "tokens_per_s": tput}
+
+
+def _burst(url: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """Output tokens per second of ``prompts`` sent all at once."""
+    outs: list[dict[str, Any]] = [{} for _ in prompts]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(
+            pool.map(
+                lambda a: stream_completion(url, a[0], max_tokens, a[1]),
+                zip(prompts, outs, strict=True),
             )
-        wall = time.perf_counter() - t0
-    log = (logs / f"decode-{tag}.log").read_text()
-    authenticated = "side channel authenticated" in log
-    assert authenticated == (secret is not None), f"decode-{tag}: authentication not as asked"
-    return {
-        "ttft": [r["ttft"] for r in seq],
-        "tokens_per_s": sum(r["tokens"] for r in par) / wall,
-        "requests_per_s": len(prompts) / wall,
-    }
+        )
+    return sum(o["tokens"] for o in outs) / (time.perf_counter() - t0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--requests", type=int, default=40, help="TTFT pairs")
+    ap.add_argument("--bursts", type=int, default=12, help="throughput pairs")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     model = get_model(args.model)
-    prompts = make_prompts(
-        args.requests, model_vocab_size(model), seed=3, min_len=256, max_len=1024
-    )
+    vocab = model_vocab_size(model)
+    prompts = make_prompts(args.requests, vocab, seed=3, min_len=256, max_len=1024)
+    flat = make_prompts(args.bursts * args.concurrency, vocab, seed=4, min_len=256, max_len=1024)
+    bursts = [flat[i : i + args.concurrency] for i in range(0, len(flat), args.concurrency)]
     logs = Path(tempfile.mkdtemp(prefix="kvferry-pd-auth-"))
     secret = logs / "secret"
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
 
     work_s = auth_work_per_request()
-    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    for rnd in range(args.rounds):
-        for mode in alternating(("off", "on"), rnd):
-            res = run_mode(
-                model,
-                logs,
-                secret if mode == "on" else None,
-                prompts,
-                args.max_tokens,
-                args.concurrency,
-            )
-            runs[mode].append(res)
-
-    off, on = _aggregate(runs["off"]), _aggregate(runs["on"])
+    raw = measure(model, logs, secret, prompts, bursts, args.max_tokens)
+    ttft, tput = raw["ttft"], raw["tokens_per_s"]
+    ttft_ratio = [b / a for a, b in zip(ttft["off"], ttft["on"], strict=True)]
+    tput_ratio = [b / a for a, b in zip(tput["off"], tput["on"], strict=True)]
     result = {
         **run_header(),
         "model": model.name,
         "args": vars(args),
         "auth_work_per_request_s": work_s,
-        "auth_work_share_of_ttft": work_s / off["ttft_median_s"],
-        "off": off,
-        "on": on,
-        "runs": runs,
+        "ttft_median_s": {m: statistics.median(v) for m, v in ttft.items()},
+        "tokens_per_s_median": {m: statistics.median(v) for m, v in tput.items()},
+        "ttft_ratio_median_ci": _median_ci(ttft_ratio),
+        "tokens_per_s_ratio_median_ci": _median_ci(tput_ratio),
+        "raw": raw,
     }
     out = write_json(result_path("pd_auth_cost"), result)
     print(report(result, args))
     print(f"results: {out}")
 
 
-def _aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
-    ttft = [t for r in runs for t in r["ttft"]]
-    return {
-        "ttft_median_s": statistics.median(ttft),
-        "ttft_mean_s": statistics.mean(ttft),
-        "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in runs),
-        "requests_per_s": statistics.mean(r["requests_per_s"] for r in runs),
-    }
-
-
-def _cost(a: float, b: float, lower_is_better: bool) -> str:
-    change = (b - a) / a if lower_is_better else (a - b) / a
-    return f"{100 * change:+.1f}%"
-
-
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
-    off, on, work_s = result["off"], result["on"], result["auth_work_per_request_s"]
-    rows = [
-        ("TTFT median (ms)", "ttft_median_s", 1000, True),
-        ("TTFT mean (ms)", "ttft_mean_s", 1000, True),
-        (f"throughput, {args.concurrency} at a time (tok/s)", "tokens_per_s", 1, False),
-    ]
+    work_s = result["auth_work_per_request_s"]
+    ttft, tput = result["ttft_median_s"], result["tokens_per_s_median"]
+    t_med, t_lo, t_hi = result["ttft_ratio_median_ci"]
+    r_med, r_lo, r_hi = result["tokens_per_s_ratio_median_ci"]
+
+    def pct(x: float) -> str:
+        return f"{100 * (x - 1):+.1f}%"
+
     table = markdown_table(
-        ["metric", "auth off", "auth on", "cost"],
+        ["metric", "auth off", "auth on", "on / off, median of pairs", "95% interval"],
         [
-            [label, f"{scale * off[k]:.1f}", f"{scale * on[k]:.1f}", _cost(off[k], on[k], lower)]
-            for label, k, scale, lower in rows
+            ["TTFT median (ms)", f"{1000 * ttft['off']:.1f}", f"{1000 * ttft['on']:.1f}",
+             pct(t_med), f"{pct(t_lo)} .. {pct(t_hi)}"],
+            [f"throughput, {args.concurrency} at a time (tok/s)", f"{tput['off']:.1f}",
+             f"{tput['on']:.1f}", pct(r_med), f"{pct(r_lo)} .. {pct(r_hi)}"],
         ],
-    )
+    )  # fmt: skip
     return (
-        f"## P/D with authentication off vs on ({result['model']}, fp32, {args.requests} "
-        f"prompts of 256-1024 tokens, {args.max_tokens} output tokens, {args.rounds} "
-        f"round(s))\n\n{table}\n\nauthentication work per request, in process: "
-        f"{1e6 * work_s:.0f} us ({100 * work_s / off['ttft_median_s']:.2f}% of the TTFT median)"
+        f"## P/D with authentication off vs on ({result['model']}, fp32, prompts of 256-1024 "
+        f"tokens, {args.max_tokens} output tokens; {args.requests} TTFT pairs, {args.bursts} "
+        f"throughput pairs)\n\n{table}\n\nauthentication work per request, in process: "
+        f"{1e6 * work_s:.0f} us ({100 * work_s / ttft['off']:.2f}% of the TTFT median)"
     )
 
 
