@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kvferry.native.build import load_library
+from kvferry.native.paged_kv import PagedKVKernel
 
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # q
@@ -28,31 +29,15 @@ _ARGTYPES: list[Any] = [
 ]
 
 
-class PagedDecodeKernel:
+class PagedDecodeKernel(PagedKVKernel):
     """Attention of one query token per request, reading keys and values straight from the
     pool's blocks (the portable path gathers them into a buffer first, reading every byte
     twice). :meth:`supports` says whether a layer can use it (CPU, fp32 or bf16, contiguous
     cache); :meth:`__call__` returns ``[num_reqs, num_heads, head_dim]``.
     """
 
-    DTYPES = (torch.float32, torch.bfloat16)
-
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {
-            torch.float32: lib.kvf_paged_decode_f32,
-            torch.bfloat16: lib.kvf_paged_decode_bf16,
-        }
-        for fn in self._fns.values():
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
-
-    def supports(self, kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
-        return (
-            kv_cache.device.type == "cpu"
-            and kv_cache.dtype in self.DTYPES
-            and q.dtype == kv_cache.dtype
-            and kv_cache.is_contiguous()
-        )
+        super().__init__(lib, "kvf_paged_decode", _ARGTYPES)
 
     def __call__(
         self,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kvferry.native.build import load_library
+from kvferry.native.paged_kv import PagedKVKernel
 
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # q
@@ -27,7 +28,7 @@ _ARGTYPES: list[Any] = [
 ]
 
 
-class PagedPrefillKernel:
+class PagedPrefillKernel(PagedKVKernel):
     """Causal attention of one request's chunk of new tokens to its whole sequence so far,
     reading keys and values straight from the pool's blocks: no gather, no mask, and key
     tiles past a query's position are never computed. The chunk's own K/V must already be in
@@ -36,25 +37,15 @@ class PagedPrefillKernel:
     :meth:`__call__` returns ``[q_len, num_heads, head_dim]``.
     """
 
-    DTYPES = (torch.float32, torch.bfloat16)
     # Query heads per kv head that one work item can stack (ROWS in the C source).
     MAX_GROUP = 64
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {
-            torch.float32: lib.kvf_paged_prefill_f32,
-            torch.bfloat16: lib.kvf_paged_prefill_bf16,
-        }
-        for fn in self._fns.values():
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
+        super().__init__(lib, "kvf_paged_prefill", _ARGTYPES)
 
     def supports(self, kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
         return (
-            kv_cache.device.type == "cpu"
-            and kv_cache.dtype in self.DTYPES
-            and q.dtype == kv_cache.dtype
-            and kv_cache.is_contiguous()
+            super().supports(kv_cache, q)
             and kv_cache.shape[-1] % 16 == 0
             and q.dim() == 3
             and q.shape[1] // kv_cache.shape[3] <= self.MAX_GROUP
