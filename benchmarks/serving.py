@@ -366,11 +366,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         rounds=(1, 2),
         rates=("4", "0.25,0.5,1,inf"),
         inputs=("256", "512,2048,4096"),
-        prefix_len=(256, 2048),
         suffix_len=(64, 256),
         num_prompts=(8, 32),
         min_prompts=(8, 8),
     )
+    if args.prefix_len is None:  # 0 is a choice (no prefix workload), not "unset"
+        args.prefix_len = 256 if args.quick else 2048
     if args.quick:
         args.output_len = 16 if args.output_len == 64 else args.output_len
         args.scale_rates = False
