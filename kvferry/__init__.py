@@ -8,10 +8,11 @@ from kvferry.sampling_params import SamplingParams
 from kvferry.version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from kvferry.config.kv_transfer import KVTransferConfig
     from kvferry.engine.arg_utils import EngineArgs
     from kvferry.engine.llm import LLM
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams"]
+__all__ = ["LLM", "EngineArgs", "KVTransferConfig", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from kvferry.engine.arg_utils import EngineArgs
 
         return EngineArgs
+    if name == "KVTransferConfig":
+        from kvferry.config.kv_transfer import KVTransferConfig
+
+        return KVTransferConfig
     raise AttributeError(f"module 'kvferry' has no attribute {name!r}")

@@ -29,8 +29,16 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_local_cached_tokens: int = 0
     num_external_cached_tokens: int = 0
+    # Of the external ones, tokens by the tier that held them (``CacheHitSource`` values:
+    # "host", "disk", "p2p", ..., "external_unspecified"), from the connector's
+    # ``get_external_cache_hit_sources``.
+    external_cache_hit_sources: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     kv_connector: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_local_cached_tokens + self.num_external_cached_tokens
 
     @property
     def ttft(self) -> float | None:
@@ -49,3 +57,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    # Prompt tokens whose KV was not computed (local prefix cache plus KV connector), as vLLM's
+    # ``RequestOutput.num_cached_tokens`` (set on every output the engine returns).
+    num_cached_tokens: int | None = None

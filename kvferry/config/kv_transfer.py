@@ -3,6 +3,7 @@ roles and load-failure policies it accepts."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,3 +98,33 @@ class KVTransferConfig:
 
     def get_from_extra_config(self, key: str, default: Any = None) -> Any:
         return self.kv_connector_extra_config.get(key, default)
+
+    def has_connector(self, name: str) -> bool:
+        """Whether connector ``name`` runs: as ``kv_connector``, or as a child of a
+        ``MultiConnector`` (``kv_connector_extra_config["connectors"]``, nested ones too)."""
+        if self.kv_connector == name:
+            return True
+        if self.kv_connector != "MultiConnector":
+            return False
+        children = self.kv_connector_extra_config.get("connectors") or []
+        return any(
+            isinstance(child, dict)
+            and (
+                child.get("kv_connector") == name
+                or (
+                    child.get("kv_connector") == "MultiConnector"
+                    and KVTransferConfig(
+                        kv_connector="MultiConnector",
+                        kv_role=self.kv_role,
+                        kv_connector_extra_config=child.get("kv_connector_extra_config") or {},
+                    ).has_connector(name)
+                )
+            )
+            for child in children
+        )
+
+    def compute_hash(self) -> str:
+        """The config's contribution to a compiled-graph cache key: none (as in vLLM, the KV
+        transfer settings do not change the computation graph), so a constant digest."""
+        factors: list[Any] = []
+        return hashlib.sha256(str(factors).encode()).hexdigest()

@@ -29,7 +29,12 @@ from typing import Any
 
 from kvferry.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvferry.core.stats import ConnectorPrefixStats
-from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorStats
+from kvferry.kv_transfer.base import (
+    CacheHitSource,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorStats,
+)
 from kvferry.request import Request, RequestStatus
 from kvferry.step_types.kv_connector_output import KVConnectorOutput
 from kvferry.step_types.scheduler_output import SchedulerOutput
@@ -118,8 +123,21 @@ class ConnectorState:
         self._awaiting_recv: set[str] = set()
         self._stats: KVConnectorStats | None = None
         self._events: list[Any] = []
+        # External hit tokens by tier of the request being admitted, until the scheduler takes
+        # them into its PrefillStats (right after the allocation).
+        self._hit_sources: dict[str, dict[str, int]] = {}
+        self._num_groups = kv_cache_manager.num_groups
         if connector is not None:
             connector.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Request) -> None:
+        """``on_new_request`` as a request arrives; an exception refuses it (ValueError)."""
+        if self.connector is None:
+            return
+        try:
+            self.connector.on_new_request(request)
+        except Exception as e:
+            raise ValueError(_hook_error(self.connector, "on_new_request", request, e)) from e
 
     # -- admission ------------------------------------------------------------------------
 
@@ -151,12 +169,49 @@ class ConnectorState:
                 f"{num_external} tokens for {request.request_id!r} after {aligned} local ones, "
                 f"but the request has only {request.num_tokens}"
             )
+        if num_external > 0 and not self._restores_every_group(connector, request):
+            num_external, load_async = 0, False
         num_kept, num_external, load_async = apply_partial_tail_rule(
             num_local, self.block_size, num_external, load_async and num_external > 0
         )
         if num_kept < num_local:
             blocks = KVCacheBlocks((list(blocks.blocks[0][: num_kept // self.block_size]),))
         return PrefixHit(blocks, num_kept, num_external, load_async)
+
+    def _restores_every_group(self, connector: KVConnectorBase, request: Request) -> bool:
+        """Every KV group holds KV the request reads: a load restoring fewer cannot be used."""
+        try:
+            groups = set(connector.get_loaded_kv_cache_group_ids(request))
+        except Exception as e:
+            raise ConnectorHookError(
+                _hook_error(connector, "get_loaded_kv_cache_group_ids", request, e)
+            ) from e
+        if groups.issuperset(range(self._num_groups)):
+            return True
+        logger.warning(
+            "%s loads KV cache groups %s of %d for %s; its external hit is not used",
+            type(connector).__name__, sorted(groups), self._num_groups, request.request_id,
+        )  # fmt: skip
+        return False
+
+    def take_hit_sources(self, request: Request) -> dict[str, int]:
+        """The external hit tokens of ``request``'s admission by tier (empty for none)."""
+        return self._hit_sources.pop(request.request_id, {})
+
+    def _record_hit_sources(self, connector: KVConnectorBase, request: Request, n: int) -> None:
+        try:
+            sources = connector.get_external_cache_hit_sources(request, n)
+            by_tier = {CacheHitSource(k).value: int(v) for k, v in sources.items() if v}
+        except Exception:
+            logger.exception("%s.get_external_cache_hit_sources failed", type(connector).__name__)
+            by_tier = {}
+        if sum(by_tier.values()) != n or any(v < 0 for v in by_tier.values()):
+            by_tier = {CacheHitSource.EXTERNAL_UNSPECIFIED.value: n}
+        self._hit_sources[request.request_id] = by_tier
+        for tier, count in by_tier.items():
+            self.prefix_stats.hits_by_source[tier] = (
+                self.prefix_stats.hits_by_source.get(tier, 0) + count
+            )
 
     def after_alloc(self, request: Request, hit: PrefixHit) -> None:
         """``update_state_after_alloc`` for a just-allocated waiting request (whole table).
@@ -180,6 +235,8 @@ class ConnectorState:
             self.prefix_stats.requests += 1
             self.prefix_stats.queries += request.num_tokens - hit.num_local
             self.prefix_stats.hits += hit.num_external
+            if hit.num_external > 0:
+                self._record_hit_sources(connector, request, hit.num_external)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         if self.connector is None:
@@ -219,6 +276,7 @@ class ConnectorState:
         """
         req_id = request.request_id
         self._loads_done.discard(req_id)
+        self._hit_sources.pop(req_id, None)
         delay_free, params, error = False, None, None
         connector = self.connector
         if connector is not None:
@@ -276,6 +334,8 @@ class ConnectorState:
         ):
             if stats is None:
                 continue
+            if isinstance(stats, dict):
+                stats = self._rebuild_stats(stats)
             self._stats = stats if self._stats is None else self._stats.aggregate(stats)
         # Workers' events arrive as one list (the executor's aggregator concatenates them).
         worker_events = kv_out.kv_cache_events if kv_out is not None else None
@@ -285,6 +345,11 @@ class ConnectorState:
             self._events.append(worker_events)
         if self.connector is not None:
             self._events.extend(self.connector.take_events())
+
+    def _rebuild_stats(self, data: dict[str, Any]) -> KVConnectorStats:
+        """Stats a worker sent as plain data, as the connector's own stats class."""
+        built = self.connector.build_kv_connector_stats(data) if self.connector else None
+        return built if built is not None else KVConnectorStats(data=dict(data))
 
     # -- queries and upkeep ---------------------------------------------------------------
 
@@ -299,7 +364,7 @@ class ConnectorState:
         """Work that only more steps complete: held blocks, or the connector's own queue."""
         if self._awaiting_send or self._awaiting_recv:
             return True
-        return self.connector is not None and self.connector.has_pending_work()
+        return self.connector is not None and self.connector.has_pending_push_work()
 
     def has_pending_block_frees(self) -> bool:
         return self.connector is not None and self.connector.has_pending_block_frees()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.request import PrefillStats, Request, RequestStatus
@@ -20,6 +20,7 @@ class EngineCoreOutput:
     kv_transfer_params: dict[str, Any] | None = None
     num_local_cached_tokens: int = 0
     num_external_cached_tokens: int = 0
+    external_cache_hit_sources: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 
     @classmethod
@@ -42,6 +43,7 @@ class EngineCoreOutput:
             kv_transfer_params=kv_transfer_params,
             num_local_cached_tokens=stats.num_local_cached_tokens,
             num_external_cached_tokens=stats.num_external_cached_tokens,
+            external_cache_hit_sources=stats.external_cache_hit_sources,
             error=request.error,
         )
 

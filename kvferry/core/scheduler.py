@@ -220,6 +220,7 @@ class Scheduler(SchedulerBase):
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_local_cached_tokens=hit.num_local,
                 num_external_cached_tokens=hit.num_external,
+                external_cache_hit_sources=self.connector_state.take_hit_sources(request),
             )
         request.num_computed_tokens = decision.num_computed_tokens
         if outcome is Admission.LOADING:

@@ -65,6 +65,9 @@ class SchedulerBase:
         # KV connector: the scheduler-role connector and the state kept around it.
         self.connector = connector
         self.connector_state = ConnectorState(connector, self.kv_cache_manager)
+        # Read once, as vLLM does; one step at a time leaves no stale output to drop when a
+        # request is preempted, so nothing else depends on it here.
+        self.requires_kv_delivery = bool(connector is not None and connector.requires_kv_delivery)
         self.recompute_failed_loads = kv_load_failure_policy == "recompute"
         # Every request the scheduler knows: queued, running, or finished while a connector
         # still holds its blocks (in no queue then).
@@ -97,6 +100,8 @@ class SchedulerBase:
             )
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} is not a fresh request")
+        # KV connector: on_new_request before it is queued (an exception refuses it).
+        self.connector_state.on_new_request(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -248,6 +253,7 @@ class SchedulerBase:
             num_held_by_connector=len(self.connector_state.held_request_ids()),
             connector_prefix_cache_queries=connector_prefix.queries,
             connector_prefix_cache_hits=connector_prefix.hits,
+            connector_prefix_cache_hits_by_source=dict(connector_prefix.hits_by_source),
         )
 
     def check_integrity(self) -> None:

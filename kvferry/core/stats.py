@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -23,6 +23,7 @@ class SchedulerStats:
     # External lookups of admitted requests, in tokens: queried beyond the local hit, and hit.
     connector_prefix_cache_queries: int = 0
     connector_prefix_cache_hits: int = 0
+    connector_prefix_cache_hits_by_source: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -33,3 +34,5 @@ class ConnectorPrefixStats:
     queries: int = 0
     hits: int = 0
     preempted_requests: int = 0
+    # Of ``hits``, tokens by the tier that held them (``CacheHitSource`` values).
+    hits_by_source: dict[str, int] = field(default_factory=dict)

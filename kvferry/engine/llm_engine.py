@@ -86,10 +86,13 @@ class LLMEngine:
         )
         if connector is not None:
             # KV connector: what each worker's connector published after register_kv_caches
-            # (e.g. its side-channel address), handed to the scheduler side once, by rank.
+            # (e.g. its side-channel address), handed to the scheduler side once, keyed by
+            # (pp_rank, tp_rank) as vLLM does; kvferry has no pipeline stages (pp_rank 0).
             handshake = self.executor.get_kv_connector_handshake_metadata()
             if handshake:
-                connector.set_xfer_handshake_metadata(handshake)
+                connector.set_xfer_handshake_metadata_pp_aware(
+                    {(0, rank): meta for rank, meta in handshake.items()}
+                )
         # Connector stats: totals since start (in request metrics), totals of the current log
         # interval, and the raw stats of the last step (for exporters such as Prometheus).
         self.kv_connector_totals = KVConnectorStatsTotals()

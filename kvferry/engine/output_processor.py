@@ -99,6 +99,7 @@ class OutputProcessor:
             state.metrics.first_token_time = now
         state.metrics.num_local_cached_tokens = out.num_local_cached_tokens
         state.metrics.num_external_cached_tokens = out.num_external_cached_tokens
+        state.metrics.external_cache_hit_sources = out.external_cache_hit_sources
         state.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             state.logprobs.extend(out.new_logprobs)
@@ -153,4 +154,5 @@ class OutputProcessor:
             metrics=state.metrics,
             kv_transfer_params=out.kv_transfer_params,
             error=error,
+            num_cached_tokens=state.metrics.num_cached_tokens,
         )

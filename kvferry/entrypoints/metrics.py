@@ -15,17 +15,25 @@ e.g. in tests). Server metrics, all labelled ``model_name``:
   ``kvferry_kv_connector_total{stat=...}`` for plain numbers (summed since start) and
   ``kvferry_kv_connector_samples_{sum,count}{stat=...}`` for lists of samples. P/D connectors
   should report ``bytes_transferred`` and ``transfer_duration`` (seconds) so that transfer
-  bandwidth is ``bytes / duration`` (``kvferry demo pd`` prints it).
+  bandwidth is ``bytes / duration`` (``kvferry demo pd`` prints it);
+- ``kvferry_prompt_tokens_cached_by_source_total{source=...}``: cached prompt tokens by tier,
+  ``device`` for the engine's own prefix cache and the connector's
+  ``get_external_cache_hit_sources`` tiers (``host``, ``disk``, ``p2p``,
+  ``external_unspecified``) for external hits;
+- whatever the connector class registers through ``build_prom_metrics`` (labels
+  ``model_name`` and ``engine``), fed every step's ``KVConnectorStats.data``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     Summary,
     disable_created_metrics,
@@ -35,9 +43,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvferry.config import EngineConfig
     from kvferry.engine.async_llm import EngineSnapshot
+    from kvferry.kv_transfer.base import KVConnectorPromMetrics
     from kvferry.outputs import RequestOutput
 
+logger = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series: they double the page and nobody reads them
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -130,10 +141,37 @@ class _EngineCollector(Collector):
         )
 
 
+def _bound_to(cls: type, registry: CollectorRegistry) -> type:
+    """``cls`` (a prometheus_client metric class) registering in ``registry`` by default, for
+    connectors that create metrics without naming a registry, as vLLM's do."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("registry", registry)
+        cls.__init__(self, *args, **kwargs)  # type: ignore[misc]
+
+    return type(cls.__name__, (cls,), {"__init__": __init__})
+
+
+def build_connector_prom_metrics(
+    config: EngineConfig, model_name: str, registry: CollectorRegistry
+) -> KVConnectorPromMetrics | None:
+    """The configured connector class's ``build_prom_metrics``, registering in ``registry``."""
+    kvt = config.kv_transfer_config
+    if kvt is None or kvt.kv_connector is None:
+        return None
+    from kvferry.kv_transfer.factory import KVConnectorFactory
+
+    connector_cls = KVConnectorFactory.get_connector_class(kvt)
+    types = {c: _bound_to(c, registry) for c in (Gauge, Counter, Histogram)}
+    return connector_cls.build_prom_metrics(
+        config, types, ["model_name", "engine"], {0: [model_name, "0"]}
+    )
+
+
 class ServerMetrics:
     """The server's metrics; also the AsyncLLM's ``StatObserver`` (thread-safe)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, config: EngineConfig | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -197,6 +235,15 @@ class ServerMetrics:
             ["model_name", "stat"],
             registry=reg,
         )
+        self.cached_by_source = Counter(
+            "kvferry_prompt_tokens_cached_by_source",
+            "Cached prompt tokens by the tier that held them (device: the local prefix cache).",
+            ["model_name", "source"],
+            registry=reg,
+        )
+        self.connector_prom = (
+            build_connector_prom_metrics(config, model_name, reg) if config is not None else None
+        )
         self._snapshot: Callable[[], EngineSnapshot | None] = lambda: None
         self._engine = _EngineCollector(model_name, lambda: self._snapshot())
         reg.register(self._engine)
@@ -218,6 +265,10 @@ class ServerMetrics:
             return
         self.local_cached.inc(m.num_local_cached_tokens)
         self.external_cached.inc(m.num_external_cached_tokens)
+        if m.num_local_cached_tokens:
+            self.cached_by_source.labels(self.model_name, "device").inc(m.num_local_cached_tokens)
+        for source, n in m.external_cache_hit_sources.items():
+            self.cached_by_source.labels(self.model_name, source).inc(n)
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         if m.finished_time is not None:
@@ -229,6 +280,11 @@ class ServerMetrics:
         self.finished.labels(self.model_name, finish_reason).inc()
 
     def record_kv_connector_stats(self, data: dict[str, Any]) -> None:
+        if self.connector_prom is not None:
+            try:
+                self.connector_prom.observe(data, 0)
+            except Exception:  # a connector's metrics must not stop the engine's stats
+                logger.exception("the KV connector's Prometheus observe() failed")
         for key, value in data.items():
             if isinstance(value, list):
                 samples = self.kv_samples.labels(self.model_name, key)

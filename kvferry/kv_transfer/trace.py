@@ -21,10 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVConnectorTransferResults
 
 SCHEDULER_METHODS = (
+    "bind_kv_cache_manager",
+    "set_xfer_handshake_metadata_pp_aware",
+    "set_xfer_handshake_metadata",
+    "on_new_request",
     "get_num_new_matched_tokens",
+    "get_loaded_kv_cache_group_ids",
+    "get_external_cache_hit_sources",
     "update_state_after_alloc",
     "build_connector_meta",
     "update_connector_output",
@@ -39,7 +45,9 @@ WORKER_METHODS = (
     "start_load_kv",
     "wait_for_layer_load",
     "save_kv_layer",
+    "finish_forward",
     "wait_for_save",
+    "get_transfer_results",
     "get_finished",
     "get_block_ids_with_load_errors",
     "get_failed_recving",
@@ -59,6 +67,8 @@ def _req_ids(value: Any) -> list[str]:
         return [value.request_id]
     if isinstance(value, SchedulerOutput):
         return sorted(value.num_scheduled_tokens)
+    if isinstance(value, KVConnectorTransferResults):
+        return sorted(value.finished_sending | value.finished_recving)
     if isinstance(value, KVConnectorOutput):
         return sorted((value.finished_sending or set()) | (value.finished_recving or set()))
     if isinstance(value, (set, frozenset)) and all(isinstance(v, str) for v in value):
@@ -74,7 +84,7 @@ def _summary(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(map(str, value))[:8]
     if isinstance(value, dict):
-        return {str(k): _summary(v) for k, v in list(value.items())[:8]}
+        return {str(getattr(k, "value", k)): _summary(v) for k, v in list(value.items())[:8]}
     return type(value).__name__
 
 
@@ -135,6 +145,12 @@ class TracingConnector:
     def inner(self) -> KVConnectorBase:
         return self._inner
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        if type(self._inner).get_transfer_results is KVConnectorBase.get_transfer_results:
+            # The default composes get_finished and get_failed_recving: record those calls.
+            return KVConnectorBase.get_transfer_results(self, finished_req_ids)  # type: ignore[arg-type]
+        return self.__getattr__("get_transfer_results")(finished_req_ids)
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
         if name not in SCHEDULER_METHODS and name not in WORKER_METHODS:
@@ -151,7 +167,12 @@ class TracingConnector:
             }
             if name in LAYER_METHODS and args:
                 record["layer"] = args[0]
-            elif name in ("get_num_new_matched_tokens", "request_finished", "get_finished"):
+            elif name in (
+                "get_num_new_matched_tokens",
+                "request_finished",
+                "get_finished",
+                "get_external_cache_hit_sources",
+            ):
                 record["result"] = _summary(result)
             elif name == "update_state_after_alloc" and len(args) >= 3:
                 record["num_external_tokens"] = args[2]
@@ -171,7 +192,10 @@ def maybe_wrap(connector: KVConnectorBase) -> KVConnectorBase:
 
 
 _ARROWS = {
+    "on_new_request": ("S", "C"),
     "get_num_new_matched_tokens": ("S", "C"),
+    "get_loaded_kv_cache_group_ids": ("S", "C"),
+    "get_external_cache_hit_sources": ("S", "C"),
     "update_state_after_alloc": ("S", "C"),
     "build_connector_meta": ("S", "C"),
     "update_connector_output": ("S", "C"),

@@ -1,8 +1,10 @@
 """The worker's side of each step around the forward pass, for a configured KV connector.
 
-pre_forward:  handle_preemptions -> bind_connector_metadata -> start_load_kv (sync loads)
+In vLLM's order, on every step that carries connector metadata:
+
+pre_forward:  handle_preemptions -> bind_connector_metadata -> start_load_kv
 forward:      attention layers call wait_for_layer_load / save_kv_layer
-post_forward: start_load_kv (if not yet) -> wait_for_save -> get_finished -> load errors
+post_forward: finish_forward -> wait_for_save -> get_transfer_results -> load errors
               -> stats -> events -> worker metadata -> clear_connector_metadata
 no_forward:   the same lifecycle for a step with no tokens, so async transfers keep
               reporting while nothing is computed
@@ -27,7 +29,6 @@ class KVConnectorDriver:
         # One op per worker: it keeps its copier for the engine's KV and the connector's buffers.
         self.copy_op = KVBlockCopy()
         connector.set_host_xfer_buffer_ops(self.copy_op)
-        self._load_started = False
 
     def pre_forward(self, so: SchedulerOutput, ctx: ForwardContext) -> None:
         c = self.connector
@@ -36,26 +37,28 @@ class KVConnectorDriver:
             raise RuntimeError("a KV connector is configured but the step carries no metadata")
         c.handle_preemptions(meta)
         c.bind_connector_metadata(meta)
-        self._load_started = False
-        if so.has_sync_kv_loads:
+        # Before the forward on every step, sync loads or not: connectors written for vLLM
+        # rely on loads having started when the first layer asks for them.
+        try:
             c.start_load_kv(ctx)
-            self._load_started = True
+        except BaseException:
+            c.clear_connector_metadata()
+            raise
 
     def post_forward(
         self, so: SchedulerOutput, ctx: ForwardContext, wait_for_save: bool = True
     ) -> KVConnectorOutput:
         c = self.connector
         try:
-            if not self._load_started:
-                c.start_load_kv(ctx)
+            c.finish_forward()
             if wait_for_save:
                 c.wait_for_save()
-            sending, recving = c.get_finished(so.finished_req_ids)
+            results = c.get_transfer_results(so.finished_req_ids)
             return KVConnectorOutput(
-                finished_sending=sending or None,
-                finished_recving=recving or None,
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
                 invalid_block_ids=c.get_block_ids_with_load_errors(),
-                failed_recving=c.get_failed_recving(),
+                failed_recving=set(results.failed_recving),
                 kv_connector_stats=c.get_kv_connector_stats(),
                 kv_cache_events=c.get_kv_connector_kv_cache_events(),
                 kv_connector_worker_meta=c.build_connector_worker_meta(),

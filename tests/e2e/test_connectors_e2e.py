@@ -16,6 +16,19 @@ from kvferry.config import ConfigError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[2]
+WORKER_ORDER = [
+    "handle_preemptions",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "layers",
+    "finish_forward",
+    "wait_for_save",
+    "get_finished",
+    "get_failed_recving",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
+]
 
 
 def _prompts() -> list[list[int]]:
@@ -310,6 +323,24 @@ def test_trace_renders_a_real_run(model_dir, tmp_path):
     assert out.startswith("sequenceDiagram")
     assert "S->>C: get_num_new_matched_tokens" in out
     assert "A->>W: wait_for_layer_load / save_kv_layer" in out
+    # vLLM's order on every step: start_load_kv before the layers (also on steps without
+    # sync loads), finish_forward after them, then wait_for_save and get_finished.
+    assert "finish_forward" in methods
+    for block in out.split("Note over S,A: step")[1:]:
+        calls = [
+            line.split(": ", 1)[1].split("(")[0]
+            for line in block.splitlines()
+            if "->>" in line and "-->>" not in line
+        ]
+        worker = [c for c in calls if c in WORKER_ORDER or c.startswith("wait_for_layer_load")]
+        if not worker:
+            continue
+        ranks = [
+            WORKER_ORDER.index("layers" if c.startswith("wait_for_layer_load") else c)
+            for c in worker
+        ]
+        assert ranks == sorted(ranks), worker
+        assert "start_load_kv" in worker and "get_finished" in worker
 
 
 def test_example_connector_hits_block_aligned_prompts(model_dir, tmp_path):

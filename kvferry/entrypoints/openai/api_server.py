@@ -203,7 +203,7 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key, getattr(args, "api_key_file", None))
     name = args.served_model_name or args.model
     sock = listen_socket(args.host, args.port, "kvferry serve")
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, config)
     llm = AsyncLLM(config, observer=metrics, stream_interval=getattr(args, "stream_interval", 1))
     kvc = llm.engine.kv_cache_config
     metrics.attach(lambda: llm.snapshot, kvc.bytes_per_block / kvc.block_size)
