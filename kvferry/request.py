@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.sampling_params import SamplingParams
@@ -48,6 +48,8 @@ class PrefillStats:
     num_prompt_tokens: int = 0
     num_local_cached_tokens: int = 0
     num_external_cached_tokens: int = 0
+    # Of the external ones, tokens by the tier that held them (CacheHitSource values).
+    external_cache_hit_sources: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -120,6 +122,24 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         self.update_block_hashes()
+
+    # vLLM's names, for connectors written for vLLM (kvferry has no speculative tokens, LoRA,
+    # pooling or multimodal inputs).
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    mm_features: tuple[Any, ...] = ()
+    lora_request = None
+    pooling_params = None
+    spec_token_ids: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return (

@@ -18,7 +18,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from kvferry.config import ConfigError
-from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorRole, supports_hma
+from kvferry.kv_transfer import vllm_imports
+from kvferry.kv_transfer.base import (
+    KV_CACHE_LAYOUT,
+    KVConnectorBase,
+    KVConnectorRole,
+    supports_hma,
+)
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig
@@ -53,6 +59,8 @@ class KVConnectorFactory:
                 f"or set kv_connector_module_path to load your own"
             )
         if kvt.kv_connector_module_path:
+            # A connector written for vLLM imports vllm.*: served by kvferry when vLLM is absent.
+            vllm_imports.install()
             module = import_module_path(module_path, "KV connector module")
         else:
             try:
@@ -69,10 +77,11 @@ class KVConnectorFactory:
                 f"{module_path}.{class_name} is not a KV connector (it must subclass "
                 f"kvferry.kv_transfer.base.KVConnectorBase)"
             )
-        params = inspect.signature(connector_cls.__init__).parameters
-        if "kv_cache_config" not in params:
+        if not _takes_kv_cache_config(connector_cls):
             raise ConfigError(
-                f"{module_path}.{class_name}.__init__ must take (config, role, kv_cache_config)"
+                f"KV connector {module_path}.{class_name} uses the deprecated 2-argument "
+                "constructor (vllm_config, role); a KV connector must accept kv_cache_config "
+                "as its third constructor argument and pass it on to super().__init__()"
             )
         return connector_cls
 
@@ -89,7 +98,39 @@ class KVConnectorFactory:
                 f"{connector_cls.__name__} does not implement SupportsHMA, but this engine has "
                 f"{len(kv_cache_config.groups)} KV cache groups"
             )
+        config, kv_cache_config = vllm_imports.connector_args(
+            connector_cls, config, kv_cache_config
+        )
+        check_kv_cache_layout(connector_cls, config)
+        # Positional, as vLLM's factory calls it: any parameter names, and *args pass-through.
         return connector_cls(config, role, kv_cache_config)
+
+
+def _takes_kv_cache_config(connector_cls: type[KVConnectorBase]) -> bool:
+    """Whether the constructor accepts ``kv_cache_config`` (by that name, or through
+    ``**kwargs``), as vLLM's factory checks: what tells a 3-argument connector from a 2-argument
+    one whatever its parameters are called."""
+    try:
+        params = inspect.signature(connector_cls.__init__).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: let the call decide
+        return True
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "kv_cache_config" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in params
+    )
+
+
+def check_kv_cache_layout(connector_cls: type[KVConnectorBase], config: EngineConfig) -> None:
+    """Refuse a connector whose ``get_required_kvcache_layout`` asks for a layout other than
+    the one kvferry allocates."""
+    layout = connector_cls.get_required_kvcache_layout(config)
+    if layout is not None and layout.upper() != KV_CACHE_LAYOUT:
+        raise ConfigError(
+            f"{connector_cls.__name__} requires the {layout!r} KV cache layout, but kvferry "
+            f"allocates {KV_CACHE_LAYOUT!r} only: (2, num_blocks, block_size, num_kv_heads, "
+            "head_dim) per layer"
+        )
 
 
 def import_module_path(module_path: str, what: str = "module") -> ModuleType:

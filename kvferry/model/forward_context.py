@@ -7,6 +7,7 @@ of a ``with`` block and always clears it afterwards.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -46,6 +47,19 @@ class ForwardContext:
     # owns, so buffers are reused from step to step.
     attn_workspace: AttentionWorkspace = field(default_factory=AttentionWorkspace)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def no_compile_layers(self) -> dict[str, AttentionLayerKV]:
+        """vLLM's name for the model's attention layers: layer name -> its ``kv_cache``."""
+        return {name: AttentionLayerKV(name, kv) for name, kv in self.kv_caches.items()}
+
+
+@dataclass(frozen=True)
+class AttentionLayerKV:
+    """One attention layer as connectors written for vLLM reach it."""
+
+    layer_name: str
+    kv_cache: torch.Tensor
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("kvferry_forward_context", default=None)

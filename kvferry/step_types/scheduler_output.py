@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvferry.sampling_params import SamplingParams
 from kvferry.step_types.kv_connector_metadata import KVConnectorMetadata
@@ -45,6 +45,24 @@ class NewRequestData:
             num_computed_tokens=request.num_computed_tokens,
         )
 
+    # vLLM's names for what kvferry carries differently, and for inputs kvferry has none of
+    # (read by connectors written for vLLM).
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.num_prompt_tokens
+
+    @property
+    def mm_features(self) -> list[Any]:
+        return []
+
+    lora_request = None
+    pooling_params = None
+    prompt_embeds = None
+
 
 @dataclass
 class CachedRequestData:
@@ -78,6 +96,24 @@ class CachedRequestData:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
+    # vLLM's names: kvferry sends a request resumed after preemption as new data (with its
+    # whole block table), never as cached data, and sends no token ids here.
+    @property
+    def resumed_req_ids(self) -> set[str]:
+        return set()
+
+    @property
+    def resumed_from_preemption(self) -> list[bool]:
+        return [False] * len(self.req_ids)
+
+    @property
+    def new_token_ids(self) -> list[list[int]]:
+        return [[] for _ in self.req_ids]
+
+    @property
+    def all_token_ids(self) -> dict[str, list[int]]:
+        return {}
+
 
 @dataclass
 class SchedulerOutput:
@@ -98,3 +134,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    # vLLM's fields for features kvferry does not have (speculative decoding, encoders).
+    @property
+    def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
+        return {}
+
+    @property
+    def scheduled_encoder_inputs(self) -> dict[str, list[int]]:
+        return {}
+
+    @property
+    def free_encoder_mm_hashes(self) -> list[str]:
+        return []
+
+    @property
+    def num_common_prefix_blocks(self) -> list[int]:
+        return []

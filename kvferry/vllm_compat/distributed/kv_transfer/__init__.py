@@ -1,0 +1,1 @@
+"""``vllm.distributed.kv_transfer``: the KV connector API."""

@@ -1,0 +1,1 @@
+"""``vllm.distributed.kv_transfer.kv_connector``: the KV connector API."""

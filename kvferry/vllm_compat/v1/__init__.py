@@ -1,0 +1,1 @@
+"""``vllm.v1``: the engine-core types connectors read."""

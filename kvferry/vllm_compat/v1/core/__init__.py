@@ -1,0 +1,1 @@
+"""``vllm.v1.core``: the scheduler-side types connectors read."""

@@ -1,0 +1,1 @@
+"""``vllm.v1.core.sched``: the scheduler's output types."""
