@@ -1,4 +1,5 @@
-"""The ``kvferry`` command line: generate, serve, proxy, demo, make-tiny-model and trace.
+"""The ``kvferry`` command line: generate, serve, proxy, demo, make-tiny-model, trace and
+conformance.
 
 Bad input (flags, model folders, prompts) ends with one ``error: ...`` line and exit code 2,
 never a traceback.
@@ -299,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_make_tiny_model(sub)
     _add_trace(sub)
+    from kvferry.entrypoints.conformance import add_conformance_args
+
+    add_conformance_args(sub)
     return parser
 
 
