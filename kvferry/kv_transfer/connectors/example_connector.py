@@ -30,7 +30,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvferry.kv_transfer.base import (
+    CacheHitSource,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from kvferry.kv_transfer.options import parse_options
 from kvferry.logger import init_logger
 
@@ -88,6 +93,7 @@ def prefix_keys(token_ids: list[int], block_size: int, limit: int) -> dict[int, 
 
 
 class ExampleConnector(KVConnectorBase):
+    _cache_hit_source = CacheHitSource.DISK  # its KV files
     # Extra-config keys a subclass consumes itself (not ExampleConnector options).
     subclass_options: tuple[str, ...] = ()
 

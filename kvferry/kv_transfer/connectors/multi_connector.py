@@ -4,27 +4,40 @@ every child saves.
 Extra config: ``connectors``: a list of KV transfer configs, one per child (their
 ``engine_id`` defaults to the parent's). When several children ask to keep a finished
 request's blocks, the request is reported finished_sending once, after the last of them.
+
+Every hook reaches the children under vLLM 0.33's name, so a child that overrides only the
+new names (or only kvferry's older ones) is reached either way. Per-request answers about a
+load (``get_loaded_kv_cache_group_ids``, ``get_external_cache_hit_sources``) come from the
+child serving it; ``on_new_request``, ``finish_forward`` and the handshake go to all;
+``has_pending_push_work``, ``has_pending_block_frees``, ``requires_kv_delivery`` and
+``register_finished_partial_tail`` are any-of; transfer results are merged. Stats and
+Prometheus metrics are kept per child, by the child's class (:mod:`.multi_stats`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvferry.config import ConfigError, KVTransferConfig
+from kvferry.config import ConfigError
 from kvferry.kv_transfer.base import (
+    CacheHitSource,
     CopyBlocksOp,
     KVConnectorBase,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorStats,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
-    supports_hma,
+)
+from kvferry.kv_transfer.connectors.multi_config import MultiClassHooks, child_configs
+from kvferry.kv_transfer.connectors.multi_stats import (
+    MultiKVConnectorStats,
 )
 from kvferry.kv_transfer.factory import KVConnectorFactory
 
@@ -60,63 +73,34 @@ class MultiKVConnectorWorkerMetadata(KVConnectorWorkerMetadata):
         return MultiKVConnectorWorkerMetadata(tuple(merged))
 
 
-def _child_configs(config: EngineConfig) -> list[EngineConfig]:
-    kvt = config.kv_transfer_config
-    assert kvt is not None
-    children = kvt.kv_connector_extra_config.get("connectors")
-    if not isinstance(children, list) or not children:
-        raise ConfigError(
-            "MultiConnector needs kv_connector_extra_config.connectors: a non-empty list"
-        )
-    extra = sorted(set(kvt.kv_connector_extra_config) - {"connectors"})
-    if extra:
-        raise ConfigError(
-            f"MultiConnector: unknown option(s) {extra}; valid options are ['connectors']"
-        )
-    out = []
-    for i, child in enumerate(children):
-        if not isinstance(child, dict):
-            raise ConfigError(f"MultiConnector: connectors[{i}] must be a JSON object")
-        data = {
-            "engine_id": kvt.engine_id,
-            "kv_role": kvt.kv_role,
-            "kv_load_failure_policy": kvt.kv_load_failure_policy,
-            **child,
-        }
-        child_kvt = KVTransferConfig.from_dict(data)
-        if child_kvt.kv_connector == "MultiConnector":
-            raise ConfigError("MultiConnector cannot contain another MultiConnector")
-        out.append(dataclasses.replace(config, kv_transfer_config=child_kvt))
-    return out
-
-
-class MultiConnector(KVConnectorBase, SupportsHMA):
+class MultiConnector(MultiClassHooks, KVConnectorBase, SupportsHMA):
     def __init__(
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(config, role, kv_cache_config)
         self.children: list[KVConnectorBase] = [
             KVConnectorFactory.create_connector(c, role, kv_cache_config)
-            for c in _child_configs(config)
+            for c in child_configs(config)
         ]
         self._names = [f"{i}.{type(c).__name__}" for i, c in enumerate(self.children)]
+        # req id -> the child serving its load, from the lookup that chose it to its end.
         self._chosen: dict[str, int] = {}
         self._extra_async_saves: dict[str, int] = {}
         self._swallow_sending: dict[str, int] = {}
 
-    @classmethod
-    def supports_hma_config(cls, kvt: KVTransferConfig) -> bool:
-        children = kvt.kv_connector_extra_config.get("connectors") or []
-        return all(
-            supports_hma(
-                KVConnectorFactory.get_connector_class(
-                    KVTransferConfig.from_dict({"kv_role": kvt.kv_role, **c})
-                )
-            )
-            for c in children
-        )
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return any(c.requires_kv_delivery for c in self.children)
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return all(c.supports_divergent_local_hybrid_hits for c in self.children)
 
     # ---------------------------------------------------------------- scheduler side
+    def on_new_request(self, request: Request) -> None:
+        for child in self.children:
+            child.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -133,14 +117,28 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         self._chosen.pop(request.request_id, None)
         return 0, False
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        chosen = self._chosen.get(request.request_id)
+        if chosen is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return self.children[chosen].get_loaded_kv_cache_group_ids(request)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None:
-        chosen = self._chosen.pop(request.request_id, None)
+        chosen = self._chosen.get(request.request_id)
         for i, child in enumerate(self.children):
             child.update_state_after_alloc(
                 request, blocks, num_external_tokens if i == chosen else 0
             )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        chosen = self._chosen.get(request.request_id)
+        if chosen is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return self.children[chosen].get_external_cache_hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = MultiKVConnectorMetadata(
@@ -163,23 +161,24 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        results = (c.request_finished(request, block_ids) for c in self.children)
+        results = [c.request_finished(request, block_ids) for c in self.children]
         return self._merge_finished(results, request.request_id)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        results = (
+        results = [
             c.request_finished_all_groups(request, block_ids)
             if isinstance(c, SupportsHMA)
             else c.request_finished(request, block_ids[0])
             for c in self.children
-        )
+        ]
         return self._merge_finished(results, request.request_id)
 
     def _merge_finished(
         self, results: Iterable[tuple[bool, dict[str, Any] | None]], req_id: str
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._chosen.pop(req_id, None)
         delays = 0
         merged: dict[str, Any] = {}
         for delay, params in results:
@@ -194,16 +193,49 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             self._extra_async_saves[req_id] = delays - 1
         return delays > 0, merged or None
 
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        taken = [
+            c.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+            for c in self.children
+        ]
+        return any(taken)
+
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManagerView) -> None:
+        # Each child's own binding also calls its bind_gpu_block_pool; not this one's.
+        self._kv_cache_manager = kv_cache_manager
         for child in self.children:
             child.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: KVCacheManagerView) -> None:
+        for child in self.children:
+            child.bind_gpu_block_pool(gpu_block_pool)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        for child in self.children:
+            child.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        for child in self.children:
+            child.set_xfer_handshake_metadata_pp_aware(metadata)
 
     def take_events(self) -> Iterable[Any]:
         for child in self.children:
             yield from child.take_events()
 
-    def has_pending_work(self) -> bool:
-        return any(c.has_pending_work() for c in self.children)
+    def has_pending_push_work(self) -> bool:
+        return any(c.has_pending_push_work() for c in self.children)
+
+    def has_pending_block_frees(self) -> bool:
+        return any(c.has_pending_block_frees() for c in self.children)
 
     def get_finished_count(self) -> int | None:
         counts = {c.get_finished_count() for c in self.children}
@@ -261,38 +293,45 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         for child in self.children:
             child.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
+    def finish_forward(self) -> None:
+        for child in self.children:
+            child.finish_forward()
+
     def wait_for_save(self) -> None:
         for child in self.children:
             child.wait_for_save()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending: set[str] = set()
-        recving: set[str] = set()
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        merged = KVConnectorTransferResults()
         for child in self.children:
-            s, r = child.get_finished(finished_req_ids)
-            recving |= r or set()
-            for req_id in s or ():
+            results = child.get_transfer_results(finished_req_ids)
+            merged.finished_recving |= results.finished_recving
+            merged.failed_recving |= results.failed_recving
+            for req_id in results.finished_sending:
                 left = self._swallow_sending.get(req_id, 0)
                 if left > 0:
                     self._swallow_sending[req_id] = left - 1
                 else:
                     self._swallow_sending.pop(req_id, None)
-                    sending.add(req_id)
-        return sending or None, recving or None
+                    merged.finished_sending.add(req_id)
+        return merged
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # The older form, for callers that ask it directly; failed receives are then lost, so
+        # the engine asks get_transfer_results.
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set().union(*(c.get_block_ids_with_load_errors() for c in self.children))
 
-    def get_failed_recving(self) -> set[str]:
-        return set().union(*(c.get_failed_recving() for c in self.children))
-
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data: dict[str, Any] = {}
-        for name, child in zip(self._names, self.children, strict=True):
-            stats = child.get_kv_connector_stats()
-            if stats is not None:
-                data.update({f"{name}.{k}": v for k, v in stats.data.items()})
-        return KVConnectorStats(data) if data else None
+        by_child = {
+            name: stats
+            for name, child in zip(self._names, self.children, strict=True)
+            if (stats := child.get_kv_connector_stats()) is not None
+        }
+        return MultiKVConnectorStats(by_child=by_child) if by_child else None
 
     def get_kv_connector_kv_cache_events(self) -> Any | None:
         events = [c.get_kv_connector_kv_cache_events() for c in self.children]

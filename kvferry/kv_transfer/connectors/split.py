@@ -12,7 +12,8 @@ The halves mirror the protocol hook by hook (same names, same contracts: see
 that act on the step's plan receive the bound metadata explicitly; ``get_kv_connector_stats``
 and ``shutdown``, which the engine calls on both roles, go to whichever half exists; and
 ``get_finished_count``, a fact about the connector that both roles read, stays on the facade
-(override it there).
+(override it there); ``get_external_cache_hit_sources`` of a half may answer None, for all
+hits from the facade's ``_cache_hit_source``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvferry.kv_transfer.base import (
+    CacheHitSource,
     CopyBlocksOp,
     KVConnectorBase,
     KVConnectorHandshakeMetadata,
@@ -52,6 +54,9 @@ class SchedulerHalf(ABC):
     def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
         return None
 
+    def on_new_request(self, request: Request) -> None:
+        return None
+
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -61,6 +66,11 @@ class SchedulerHalf(ABC):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocksView, num_external_tokens: int
     ) -> None: ...
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int] | None:
+        return None
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
@@ -124,6 +134,9 @@ class WorkerHalf(ABC):
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        return None
+
+    def finish_forward(self) -> None:
         return None
 
     def wait_for_save(self, metadata: KVConnectorMetadata) -> None:
@@ -254,6 +267,9 @@ class SplitConnector(KVConnectorBase, Generic[SchedulerT, WorkerT]):
     ) -> None:
         self._worker_side("save_kv_layer").save_kv_layer(layer_name, kv_layer, attn_metadata)
 
+    def finish_forward(self) -> None:
+        self._worker_side("finish_forward").finish_forward()
+
     def wait_for_save(self) -> None:
         self._worker_side("wait_for_save").wait_for_save(self._get_connector_metadata())
 
@@ -287,6 +303,9 @@ class SplitConnector(KVConnectorBase, Generic[SchedulerT, WorkerT]):
     def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
         self._scheduler_side("validate_kv_transfer_params").validate_kv_transfer_params(params)
 
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side("on_new_request").on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -298,6 +317,15 @@ class SplitConnector(KVConnectorBase, Generic[SchedulerT, WorkerT]):
     ) -> None:
         scheduler = self._scheduler_side("update_state_after_alloc")
         scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        scheduler = self._scheduler_side("get_external_cache_hit_sources")
+        sources = scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+        if sources is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return sources
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduler = self._scheduler_side("build_connector_meta")

@@ -1,5 +1,9 @@
 """FaultInjectionConnector: the wrapper, both roles. The scheduler side plans faults with a
-:class:`.planner.FaultPlanner`; the worker side applies them where the engine sees them."""
+:class:`.planner.FaultPlanner`; the worker side applies them where the engine sees them.
+
+Every hook of vLLM 0.33's API reaches the wrapped connector under its new name (the base's
+defaults fall back to the older names), so a wrapped vLLM-style connector that overrides only
+the new names is reached; class-level hooks are asked of the wrapped connector's class."""
 
 from __future__ import annotations
 
@@ -12,14 +16,14 @@ import torch
 from kvferry.kv_transfer.base import (
     CopyBlocksOp,
     KVConnectorBase,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorStats,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
-    supports_hma,
 )
+from kvferry.kv_transfer.connectors.fault_injection.forwarding import ForwardToInner
 from kvferry.kv_transfer.connectors.fault_injection.metadata import (
     FaultInjectionMetadata,
     InjectedLoad,
@@ -36,7 +40,7 @@ from kvferry.kv_transfer.options import parse_options
 from kvferry.logger import init_logger
 
 if TYPE_CHECKING:
-    from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.config import EngineConfig
     from kvferry.kv_cache_config import KVCacheConfig
     from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView, KVCacheManagerView
     from kvferry.model.forward_context import ForwardContext
@@ -50,7 +54,7 @@ logger = init_logger(__name__)
 GARBAGE = 1e4
 
 
-class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
+class FaultInjectionConnector(ForwardToInner, KVConnectorBase, SupportsHMA):
     """Wraps ``inner`` (built from the ``inner`` option) and injects the configured faults."""
 
     def __init__(
@@ -84,15 +88,6 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
             raise AttributeError(name)
         return getattr(inner, name)
 
-    @classmethod
-    def supports_hma_config(cls, kvt: KVTransferConfig) -> bool:
-        child = inner_config(kvt, cls.__name__)
-        return supports_hma(KVConnectorFactory.get_connector_class(child))
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True
-
     def _hook(self, name: str) -> None:
         if self.options.raise_in != name:
             return
@@ -107,10 +102,13 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
 
     # ---------------------------------------------------------------- scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManagerView) -> None:
+        # The inner's own binding calls its bind_gpu_block_pool.
+        self._kv_cache_manager = kv_cache_manager
         self.inner.bind_kv_cache_manager(kv_cache_manager)
 
-    def validate_kv_transfer_params(self, params: dict[str, Any]) -> None:
-        self.inner.validate_kv_transfer_params(params)
+    def on_new_request(self, request: Request) -> None:
+        self.inner.on_new_request(request)
+        self._hook("on_new_request")
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -156,26 +154,6 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
             result = self.inner.request_finished(request, block_ids[0])
         self._hook("request_finished")
         return result
-
-    def take_events(self) -> Iterable[Any]:
-        return self.inner.take_events()
-
-    def has_pending_work(self) -> bool:
-        return self.inner.has_pending_work()
-
-    def has_pending_block_frees(self) -> bool:
-        return self.inner.has_pending_block_frees()
-
-    def get_finished_count(self) -> int | None:
-        return self.inner.get_finished_count()
-
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        self.inner.set_xfer_handshake_metadata(metadata)
-
-    def reset_cache(self) -> bool | None:
-        return self.inner.reset_cache()
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -257,6 +235,10 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
         self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
         self._hook("save_kv_layer")
 
+    def finish_forward(self) -> None:
+        self.inner.finish_forward()
+        self._hook("finish_forward")
+
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if isinstance(meta, FaultInjectionMetadata) and meta.store_delay_s > 0:
@@ -265,9 +247,11 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
         self.inner.wait_for_save()
         self._hook("wait_for_save")
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self.inner.get_finished(finished_req_ids)
-        done = set(recving or ())
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        inner = self.inner.get_transfer_results(finished_req_ids)
+        done = set(inner.finished_recving)
+        # A delayed receive keeps its failure until it is reported finished.
+        self._failed_recving |= inner.failed_recving
         now = time.monotonic()
         for rid in sorted(done):
             load = self._async.pop(rid, None)
@@ -285,7 +269,15 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
         if self._held:  # the engine steps idle meanwhile: do not let it spin
             time.sleep(min(0.005, max(0.0, min(d for d, _ in self._held.values()) - now)))
         self._hook("get_finished")
-        return sending, done or None
+        self._hook("get_transfer_results")
+        failed = self._failed_recving & done
+        self._failed_recving -= failed
+        return KVConnectorTransferResults(set(inner.finished_sending), done, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # The older form for direct callers; the engine asks get_transfer_results.
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def _finish_async(self, load: InjectedLoad) -> None:
         if load.fail:
@@ -298,10 +290,6 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
         self._hook("get_block_ids_with_load_errors")
         return errors
 
-    def get_failed_recving(self) -> set[str]:
-        failed, self._failed_recving = self._failed_recving, set()
-        return failed | self.inner.get_failed_recving()
-
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         stats = self.inner.get_kv_connector_stats()
         if self.counts:
@@ -312,16 +300,7 @@ class FaultInjectionConnector(KVConnectorBase, SupportsHMA):
             stats.data.update(counts)
         return stats
 
-    def get_kv_connector_kv_cache_events(self) -> Any | None:
-        return self.inner.get_kv_connector_kv_cache_events()
-
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         meta = self.inner.build_connector_worker_meta()
         self._hook("build_connector_worker_meta")
         return meta
-
-    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self.inner.get_handshake_metadata()
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()

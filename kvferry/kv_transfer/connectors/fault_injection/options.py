@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 # The hooks ``raise_in`` may name.
 HOOKS = (
+    "on_new_request",
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
     "build_connector_meta",
@@ -40,8 +41,10 @@ HOOKS = (
     "start_load_kv",
     "wait_for_layer_load",
     "save_kv_layer",
+    "finish_forward",
     "wait_for_save",
     "get_finished",
+    "get_transfer_results",
     "get_block_ids_with_load_errors",
     "build_connector_worker_meta",
 )

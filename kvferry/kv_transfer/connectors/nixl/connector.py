@@ -52,7 +52,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvferry.config import ConfigError
-from kvferry.kv_transfer.base import KVConnectorMetadata, KVConnectorRole
+from kvferry.kv_transfer.base import CacheHitSource, KVConnectorMetadata, KVConnectorRole
 from kvferry.kv_transfer.connectors.nixl.auth import check_exposure, load_peer_auth
 from kvferry.kv_transfer.connectors.nixl.metadata import (
     NixlConnectorMetadata,
@@ -72,6 +72,7 @@ logger = init_logger(__name__)
 
 
 class NixlConnector(SplitConnector[NixlConnectorScheduler, "NixlConnectorWorker"]):
+    _cache_hit_source = CacheHitSource.P2P  # a peer engine's KV
     # Extra-config keys a subclass consumes itself (not NixlConnector options).
     subclass_options: tuple[str, ...] = ()
 

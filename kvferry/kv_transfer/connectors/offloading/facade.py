@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvferry.config import ConfigError
-from kvferry.kv_transfer.base import KVConnectorRole
+from kvferry.kv_transfer.base import CacheHitSource, KVConnectorRole
 from kvferry.kv_transfer.connectors.offloading.layout import engine_facts
 from kvferry.kv_transfer.connectors.offloading.scheduler import OffloadingConnectorScheduler
 from kvferry.kv_transfer.connectors.offloading.worker import OffloadingConnectorWorker
@@ -25,7 +25,12 @@ class OffloadConnectorBase(SplitConnector[OffloadingConnectorScheduler, Offloadi
     still reads a finished or preempted request's blocks is *fenced* instead. The scheduler
     half lists, each step, the store jobs whose source blocks this step reallocated; the
     worker waits for them in ``handle_preemptions``, before the forward can overwrite them.
+
+    External hits come from host memory, or for a tiered connector with a disk tier from the
+    tier each chunk is read from (the scheduler half splits them).
     """
+
+    _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.kv_cache_config import KVCacheConfig
-from kvferry.kv_transfer.base import KVConnectorStats
+from kvferry.kv_transfer.base import CacheHitSource, KVConnectorStats
 from kvferry.kv_transfer.connectors.offloading.job_book import JobBook
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
 from kvferry.kv_transfer.connectors.offloading.metadata import OffloadingConnectorMetadata
@@ -204,6 +204,8 @@ class OffloadingConnectorScheduler(SchedulerHalf):
         keys = lookup.keys[: _cdiv(end, per_chunk) - first_chunk]
         slots = self.mgr.prepare_load(keys)
         load = RequestTransfer(record.request.request_id)
+        record.hit_sources = {}
+        hit_end = num_local + num_external
         for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
             chunk_start = (first_chunk + i) * per_chunk
             lo, hi = max(start, chunk_start), min(end, chunk_start + per_chunk)
@@ -217,7 +219,19 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             from_disk = slot is None or self.mgr.came_from_disk(key)
             tier = "hit_tokens_disk" if from_disk else "hit_tokens_host"
             self.stats.add(tier, (hi - lo) * block_size)
+            # The tokens of this chunk that the load brings (the hit may end mid-block).
+            n = max(0, min(hi * block_size, hit_end) - max(lo * block_size, num_local))
+            source = CacheHitSource.DISK if from_disk else CacheHitSource.HOST
+            record.hit_sources[source] = record.hit_sources.get(source, 0) + n
         self._step_loads.append(load)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int] | None:
+        record = self._requests.get(request.request_id)
+        sources = record.hit_sources if record is not None else {}
+        # None (the facade's own tier for all) when the split does not cover the hit.
+        return dict(sources) if sum(sources.values()) == num_external_tokens else None
 
     # -- the step's plan ------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.kv_transfer.base import CacheHitSource
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
 from kvferry.kv_transfer.offload.disk import scan_folder
 from kvferry.kv_transfer.offload.jobs import JobKind
@@ -39,6 +40,8 @@ class OffloadRequest:
     deferred_since: float | None = None  # monotonic time of the first lookup that waited
     # Its load failed once: later lookups offer nothing, so the request recomputes.
     load_failed: bool = False
+    # The last planned load's tokens by the tier each chunk is read from.
+    hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)
 
 
 @dataclass
