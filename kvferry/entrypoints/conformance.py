@@ -36,6 +36,13 @@ def add_conformance_args(sub: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}",
     )
+    p.add_argument(
+        "--pd",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="drive the hit scenarios through a prefill and a decode engine, the params "
+        "handed over as a proxy would (default: on for NixlConnector)",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the report as JSON")
     out.add_argument("--markdown", action="store_true", help="print the report as Markdown")
@@ -52,7 +59,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         else:
             configs = {"": args.kv_transfer_config}
         reports = {
-            label: run_conformance(kv, args.profile, args.scenario, harness=h)
+            label: run_conformance(kv, args.profile, args.scenario, harness=h, pd=args.pd)
             for label, kv in configs.items()
         }
     except ConfigError:

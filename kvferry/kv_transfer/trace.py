@@ -187,7 +187,9 @@ def maybe_wrap(connector: KVConnectorBase) -> KVConnectorBase:
 
     if not envs.trace_connector():
         return connector
-    writer = run_writer(envs.trace_connector_file(), getattr(connector, "_config", connector))
+    config = getattr(connector, "_config", connector)
+    # A vLLM-style connector holds a VllmConfig view per role: its engine is the config under it.
+    writer = run_writer(envs.trace_connector_file(), getattr(config, "engine_config", config))
     return TracingConnector(connector, writer)  # type: ignore[return-value]
 
 

@@ -68,6 +68,7 @@ class Finished:
     finish_reason: str | None
     external_tokens: int
     error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -96,7 +97,7 @@ class EngineRun:
                 m = out.metrics
                 self.finished[out.request_id] = Finished(
                     out.request_id, list(c.token_ids), c.finish_reason,
-                    m.num_external_cached_tokens if m else 0, out.error,
+                    m.num_external_cached_tokens if m else 0, out.error, out.kv_transfer_params,
                 )  # fmt: skip
         return outs
 
@@ -108,14 +109,20 @@ class EngineRun:
     ) -> dict[str, Finished]:
         for rid, prompt in prompts.items():
             self.add(prompt, params, rid)
+        return self.wait(list(prompts), on_step)
+
+    def wait(
+        self, request_ids: list[str], on_step: Callable[[EngineRun], None] | None = None
+    ) -> dict[str, Finished]:
+        """Step until the requests added as ``request_ids`` finished."""
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while any(rid not in self.finished for rid in prompts):
+        while any(rid not in self.finished for rid in request_ids):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests unfinished after {DRAIN_TIMEOUT_S:.0f}s")
             self.step()
             if on_step is not None:
                 on_step(self)
-        return {rid: self.finished[rid] for rid in prompts}
+        return {rid: self.finished[rid] for rid in request_ids}
 
     def drain(self) -> None:
         """Step until no request is left and the connector has no pending work."""

@@ -12,8 +12,12 @@ from typing import Any
 from kvferry.config import ConfigError, KVTransferConfig
 from kvferry.kv_transfer.factory import KVConnectorFactory
 from kvferry.testing.harness import Harness
+from kvferry.testing.pd import PD_SCENARIOS
 from kvferry.testing.report import FAILED, ConformanceReport, ScenarioResult
 from kvferry.testing.scenarios import SCENARIOS, Subject
+
+# Connectors whose hits are handed over by a prefill instance (run_conformance's pd default).
+PD_CONNECTORS = ("NixlConnector",)
 
 
 def parse_kv_transfer_config(value: str | dict[str, Any]) -> dict[str, Any]:
@@ -37,9 +41,12 @@ def run_conformance(
     profile: str = "quick",
     scenarios: list[str] | None = None,
     harness: Harness | None = None,
+    pd: bool | None = None,
 ) -> ConformanceReport:
     """Run ``scenarios`` (default: all) against the connector; never raises for a scenario's
-    failure (it is reported), only for a config that cannot be read."""
+    failure (it is reported), only for a config that cannot be read. ``pd``: drive the hit
+    scenarios through a prefill and a decode engine (:mod:`kvferry.testing.pd`); default:
+    for the NixlConnector."""
     kv = parse_kv_transfer_config(kv_transfer_config)
     names = scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -49,11 +56,12 @@ def run_conformance(
     h = harness or Harness(profile)
     report = ConformanceReport(str(kv["kv_connector"]), kv, h.profile.name)
     try:
-        subject = Subject(h, kv)
+        subject = Subject(h, kv, kv["kv_connector"] in PD_CONNECTORS if pd is None else pd)
         for name in names:
             t0 = time.perf_counter()
+            scenario = PD_SCENARIOS.get(name) if subject.pd else None
             try:
-                o = SCENARIOS[name](subject)
+                o = (scenario or SCENARIOS[name])(subject)
                 result = ScenarioResult(name, o.status, o.reasons, o.notes)
             except Exception as e:  # a connector may fail in any way; the report says how
                 where = traceback.extract_tb(e.__traceback__)[-1]
@@ -89,5 +97,13 @@ def builtin_configs(workdir: str | Path) -> dict[str, dict[str, Any]]:
                 kv("SimpleCPUOffloadConnector", num_cpu_blocks=128),
             ],
         ),  # fmt: skip
-        "NixlConnector": kv("NixlConnector", side_channel_port=0),
+        # Short lease and timeouts: an abandoned prefill frees its blocks within seconds.
+        "NixlConnector": kv(
+            "NixlConnector",
+            side_channel_port=0,
+            handshake_timeout=1.5,
+            transfer_timeout=10.0,
+            kv_lease_duration=4.0,
+            heartbeat_interval=0.5,
+        ),  # fmt: skip
     }

@@ -12,13 +12,13 @@ import dataclasses
 from collections.abc import Callable
 
 from kvferry.testing.harness import BLOCK_SIZE, EngineRun
-from kvferry.testing.order import FINISH
 from kvferry.testing.report import NOT_APPLICABLE, NOT_EXERCISED
 from kvferry.testing.subject import (
     WAITING_FOR_REMOTE_KVS,
     Outcome,
     Subject,
     close_run,
+    free_violations,
     hit_run,
     lookups_of,
     positive_hits,
@@ -174,13 +174,12 @@ def abort_mid_load(s: Subject) -> Outcome:
 
 def delayed_free(s: Subject) -> Outcome:
     h = hit_run(s, "free", s.lengths())
-    delayed = [r["req_ids"] for r in h.records if r["method"] in FINISH
-               and isinstance(r.get("result"), list) and r["result"] and r["result"][0] is True]  # fmt: skip
-    if not delayed:
+    kept, problems = free_violations(h.records)
+    if not kept:
         return Outcome(
             NOT_EXERCISED, ["request_finished never kept blocks (the connector frees at once)"]
         )
-    return verdict(h.problems, [f"{len(delayed)} delayed free(s), all blocks returned"])
+    return verdict(h.problems + problems, [f"{len(kept)} delayed free(s), all blocks returned"])
 
 
 def _failed_load(s: Subject, policy: str) -> Outcome:

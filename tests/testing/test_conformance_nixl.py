@@ -1,0 +1,52 @@
+"""The conformance kit on the NixlConnector: a prefill and a decode engine in this process,
+the KV read over NIXL (UCX on loopback) and the params handed over as a proxy would."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvferry.testing import (
+    NOT_APPLICABLE,
+    NOT_EXERCISED,
+    PASSED,
+    Harness,
+    builtin_configs,
+    run_conformance,
+)
+
+pytest.importorskip("nixl", reason="the NixlConnector needs the nixl package (extra 'nixl')")
+
+PASSES = {"miss", "async hit", "full hit", "preemption during a load", "preemption during a save",
+          "abort mid-load", "delayed free", "failed load, policy fail",
+          "failed load, policy recompute"}  # fmt: skip
+NOT_REACHED = {"sync hit", "None deferral", "restart and reuse"}
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[Harness]:
+    h = Harness("quick")
+    yield h
+    h.close()
+
+
+def test_nixl_prefill_decode_scenarios(harness: Harness, tmp_path: Path) -> None:
+    report = run_conformance(builtin_configs(tmp_path)["NixlConnector"], harness=harness)
+    status = {r.scenario: r for r in report.results}
+    assert report.ok, report.to_text()
+    for name in PASSES:
+        assert status[name].status == PASSED, report.to_text()
+    for name in NOT_REACHED:
+        assert status[name].status == NOT_EXERCISED and status[name].reasons, report.to_text()
+    assert status["multi-worker quorum"].status == NOT_APPLICABLE
+    assert "read [" in status["async hit"].notes[0]
+    assert "until the decode engine read them" in status["delayed free"].notes[0]
+    assert "the prefill engine freed its blocks" in status["abort mid-load"].notes[0]
+
+
+def test_without_pd_the_hits_are_not_exercised(harness: Harness, tmp_path: Path) -> None:
+    kv = builtin_configs(tmp_path)["NixlConnector"]
+    report = run_conformance(kv, scenarios=["async hit", "delayed free"], harness=harness, pd=False)
+    assert [r.status for r in report.results] == [NOT_EXERCISED, NOT_EXERCISED], report.to_text()
