@@ -32,6 +32,7 @@ import time
 from collections import deque
 from itertools import chain
 
+from kvferry.core import timeline
 from kvferry.core.admission import Admission, AdmissionDecision, allocate_for_admission
 from kvferry.core.connector_state import RESUMED, ConnectorHookError
 from kvferry.core.kv_cache_manager import KVCacheBlocks
@@ -85,8 +86,28 @@ class Scheduler(SchedulerBase):
             self._unpublish(plan.num_valid_tokens())
             raise
         self.finished_req_ids = set()
+        if timeline.enabled():
+            self._log_plan(output)
         self._update_after_schedule(output)
         return output
+
+    def _log_plan(self, output: SchedulerOutput) -> None:
+        """The timeline line of a planned step (before computed counts advance)."""
+        chunks, decodes = [], 0
+        for req_id, num in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                chunks.append(f"{req_id}:{num}@{request.num_computed_tokens}")
+            else:
+                decodes += 1
+        timeline.emit(
+            "sched",
+            t=time.time(),
+            prefill=",".join(chunks) or "-",
+            decodes=decodes,
+            tokens=output.total_num_scheduled_tokens,
+            waiting=len(self.waiting) + len(self.kv_holding),
+        )
 
     def _schedule_running(self, plan: StepPlan) -> None:
         i = 0

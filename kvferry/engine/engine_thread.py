@@ -24,11 +24,13 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvferry.config import ConfigError, EngineConfig
+from kvferry.core import timeline
 from kvferry.core.stats import SchedulerStats
 from kvferry.engine.llm_engine import LLMEngine
 from kvferry.engine.request_stream import RequestStream
@@ -77,6 +79,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     stream: RequestStream
+    submitted: float = field(default_factory=time.time)  # for the timeline log
 
 
 @dataclass
@@ -112,6 +115,7 @@ class EngineThread:
         self._closed = False
         self._init_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._awaiting_first: set[str] = set()  # timeline log only; engine thread only
         self._consecutive_errors = 0
         self.dead_reason: str | None = None
         self.snapshot = EngineSnapshot(None, 0)
@@ -228,9 +232,13 @@ class EngineThread:
             cmd.stream.put(EngineStepError(f"the engine could not add the request: {e}"))
             return
         self._streams[cmd.request_id] = cmd.stream
+        if timeline.enabled():
+            self._awaiting_first.add(cmd.request_id)
+            timeline.emit("added", id=cmd.request_id, submit=cmd.submitted, added=time.time())
 
     def _abort(self, engine: LLMEngine, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        self._awaiting_first.difference_update(request_ids)
         if not live:
             return
         try:
@@ -253,6 +261,7 @@ class EngineThread:
             cmd.future.set_exception(e)
 
     def _step(self, engine: LLMEngine) -> bool:
+        t0 = time.time()
         try:
             outputs = engine.step()
         except Exception as e:
@@ -270,12 +279,18 @@ class EngineThread:
         if outputs:
             self._consecutive_errors = 0
         self._collect_kv_stats(engine)
+        if timeline.enabled():
+            timeline.emit("step", t0=t0, t1=time.time(), outputs=len(outputs))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            if out.request_id in self._awaiting_first and out.outputs[0].token_ids:
+                self._awaiting_first.discard(out.request_id)
+                timeline.emit("first", id=out.request_id, t=time.time())
             if out.finished:
                 del self._streams[out.request_id]
+                self._awaiting_first.discard(out.request_id)
                 if self.observer is not None:
                     self.observer.record_finished(out)
             stream.put(out)
@@ -284,6 +299,7 @@ class EngineThread:
     def _fail_all(self, engine: LLMEngine, error: BaseException) -> None:
         """Fail every request in flight with ``error`` and abort them in the engine."""
         streams, self._streams = self._streams, {}
+        self._awaiting_first.clear()
         try:
             engine.abort_request(list(streams))
         except Exception as e:
