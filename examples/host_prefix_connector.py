@@ -45,6 +45,7 @@ class HostPrefixConnector(KVConnectorBase):
         self.requests: dict[str, Any] = {}
         self.block_ids: dict[str, list[int]] = {}
         self.first_hit_block: dict[str, int] = {}
+        self.scanned: dict[str, int] = {}  # prompt blocks already planned (or held) per request
         # worker side: hash -> {layer: tensor (2, block_size, kv_heads, head_dim)}
         self.host: dict[bytes, dict[str, torch.Tensor]] = {}
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -87,11 +88,14 @@ class HostPrefixConnector(KVConnectorBase):
                 continue
             # build_connector_meta runs before the scheduler counts this step's tokens
             done = min(request.num_computed_tokens + n, request.num_prompt_tokens)
-            for idx in range(done // self.block_size):
+            full = done // self.block_size
+            # from where the last step stopped: decode steps would rescan the whole prompt
+            for idx in range(self.scanned.get(req_id, 0), full):
                 h = request.block_hashes[idx]
                 if h not in self.stored:
                     self.stored[h] = None
                     self.plan.stores.append((h, self.block_ids[req_id][idx]))
+            self.scanned[req_id] = max(full, self.scanned.get(req_id, 0))
         while len(self.stored) > self.max_blocks:
             self.plan.evictions.append(self.stored.popitem(last=False)[0])
         plan, self.plan = self.plan, HostPrefixMetadata()
@@ -100,6 +104,7 @@ class HostPrefixConnector(KVConnectorBase):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         self.requests.pop(request.request_id, None)
         self.block_ids.pop(request.request_id, None)
+        self.scanned.pop(request.request_id, None)
         return False, None
 
     # -- worker side
