@@ -101,15 +101,17 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        *,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the finished one: every output by default, one per
         ``stream_interval`` new tokens otherwise (the first and the final one always, none
-        skipped when this loop runs late). Raises ConfigError for a prompt
+        skipped when this loop runs late); only the finished one with ``final_only``. Raises ConfigError for a prompt
         the engine rejects, EngineStepError / EngineDeadError on engine failure. Leaving the
         iteration early (cancellation, client gone) aborts the request."""
         self._check_alive()
         rid = request_id or uuid.uuid4().hex
-        stream = RequestStream(rid, asyncio.get_running_loop(), self.stream_interval)
+        stream = RequestStream(rid, asyncio.get_running_loop(), self.stream_interval, final_only)
         self._core.add(rid, prompt, params, cache_salt, stream)
         done = False
         try:

@@ -8,7 +8,9 @@ and skipping would merge tokens into bursts whenever the loop runs a little late
 tokens an output must add before it is passed on: the first output and the final output
 always go through, so with 1 every output does (one chunk per token) and with N a
 stream of T tokens hands over ``1 + ceil((T - 1) / N)`` outputs. Outputs held back this way
-are never queued, which also spares the loop their wake-ups.
+are never queued, which also spares the loop their wake-ups. A ``final_only`` stream (a
+request whose caller wants only the answer, e.g. a non-streamed completion) passes only the
+finished output.
 """
 
 from __future__ import annotations
@@ -31,10 +33,15 @@ class RequestStream:
     """One request's outputs, written by the engine thread, read by the asyncio loop."""
 
     def __init__(
-        self, request_id: str, loop: asyncio.AbstractEventLoop, stream_interval: int = 1
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        stream_interval: int = 1,
+        final_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.stream_interval = check_stream_interval(stream_interval)
+        self.final_only = final_only
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._tokens_passed: int | None = None  # engine thread only; None: nothing passed yet
@@ -48,6 +55,8 @@ class RequestStream:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     def _due(self, out: RequestOutput) -> bool:
+        if self.final_only:
+            return out.finished
         tokens = len(out.outputs[0].token_ids) if out.outputs else 0
         passed = self._tokens_passed
         if not (out.finished or passed is None or tokens - passed >= self.stream_interval):

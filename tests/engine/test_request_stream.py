@@ -52,6 +52,14 @@ def test_stream_interval_passes_first_every_nth_and_final(interval, tokens, want
     assert _run(interval, tokens) == want
 
 
+def test_final_only_stream_passes_only_the_finished_output() -> None:
+    async def main() -> list[int]:
+        stream = RequestStream("r", asyncio.get_running_loop(), final_only=True)
+        return await _drain(stream, [_out(n, finished=n == 5) for n in range(1, 6)])
+
+    assert asyncio.run(main()) == [5]
+
+
 def test_errors_always_pass() -> None:
     async def main() -> object:
         stream = RequestStream("r", asyncio.get_running_loop(), 8)

@@ -29,7 +29,9 @@ async def serve_chat_completion(
     intake.check_message_chars(messages)
     prompt = await intake.tokenize_chat(messages, body.add_generation_prompt, params)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    merged, primed = await start_requests(llm, [prompt], params, rid, body.cache_salt)
+    merged, primed = await start_requests(
+        llm, [prompt], params, rid, body.cache_salt, final_only=not body.stream
+    )
     if body.stream:
         return stream_response(
             body,

@@ -28,7 +28,9 @@ async def serve_completion(
     intake.check_prompt_chars(texts)
     prompts = await intake.tokenize_prompts(texts, params)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    merged, primed = await start_requests(llm, prompts, params, rid, body.cache_salt)
+    merged, primed = await start_requests(
+        llm, prompts, params, rid, body.cache_salt, final_only=not body.stream
+    )
     if body.stream:
         return stream_response(
             body,

@@ -80,10 +80,14 @@ async def start_requests(
     params: SamplingParams,
     request_id: str,
     cache_salt: str | None,
+    final_only: bool = False,
 ) -> tuple[MergedOutputs, list[IndexedOutput]]:
     """Engine request ``{request_id}-{i}`` per prompt; the merged outputs and each prompt's
     first output (and whatever came before it)."""
-    gens = [llm.generate(p, params, f"{request_id}-{i}", cache_salt) for i, p in enumerate(prompts)]
+    gens = [
+        llm.generate(p, params, f"{request_id}-{i}", cache_salt, final_only=final_only)
+        for i, p in enumerate(prompts)
+    ]
     merged = MergedOutputs(gens)
     try:
         return merged, await merged.prime(len(gens))
