@@ -75,7 +75,9 @@ class VllmDiskConnector(KVConnectorBase_V1):
                 kv_cache = getattr(layer, "kv_cache", None)
                 if kv_cache is None:
                     continue
-                stored = torch.load(self._filename(layer_name, request.token_ids))
+                stored = torch.load(
+                    self._filename(layer_name, request.token_ids), weights_only=True
+                )
                 # (2, num_blocks, block_size, kv_heads, head_size): FlashAttention's layout.
                 kv_cache[:, request.block_ids] = stored.to(kv_cache.device, kv_cache.dtype)
 
