@@ -18,7 +18,7 @@ functions that use them, so that importing a module stays cheap.
 * ``engines``: in-process kvferry engines; ``kv_configs``: the KV-transfer configs compared;
 * ``serving``: ``kvferry serve`` / ``proxy`` processes and a streaming client;
 * ``vllm_env``: vLLM's CPU venv and the runtime environment its runs need;
-* ``vllm_cli``, ``vllm_server``, ``bench_serve``, ``quiet``, ``serving_report``: the serving
+* ``vllm_cli``, ``vllm_server``, ``bench_serve``, ``quiet``, ``serving_plan``, ``serving_report``: the serving
   benchmark (vLLM's CLI, both servers, ``vllm bench serve`` runs, the quiet-machine checks,
   its report);
 * ``throughput``: the pieces of ``benchmarks/throughput.py`` (rows, backends, report).

@@ -132,7 +132,8 @@ def test_targets_and_table() -> None:
 
 
 def test_rates_scale_with_compute_per_request() -> None:
-    from benchmarks.serving import parse_args, plan_runs
+    from benchmarks.harness.serving_plan import plan_runs
+    from benchmarks.serving import parse_args
 
     args = parse_args(["--rates", "0.5,inf", "--num-prompts", "32", "--min-prompts", "8"])
     short = plan_runs("mid", Workload("r", "random", 512, 64), args)
