@@ -8,8 +8,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvferry.config.errors import ConfigError
+from kvferry.config.kv_events import KVEventsConfig
 from kvferry.config.kv_transfer import KVTransferConfig
 from kvferry.config.model import ModelConfig
+
+# kvferry's own block hash first, then vLLM's names (vllm.config.cache.PrefixCachingHashAlgo).
+PREFIX_CACHING_HASH_ALGOS = ("kvferry", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
 @dataclass
@@ -18,8 +22,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    # "kvferry" (canonical SHA-256, see core.block_hash) or one of vLLM's algorithms.
+    prefix_caching_hash_algo: str = "kvferry"
 
     def __post_init__(self) -> None:
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ConfigError(
+                f"prefix_caching_hash_algo {self.prefix_caching_hash_algo!r} is not one of "
+                f"{', '.join(PREFIX_CACHING_HASH_ALGOS)}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -78,6 +89,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     kv_transfer_config: KVTransferConfig | None = None
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     log_stats: bool = False
 
     def __post_init__(self) -> None:

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.config import (
+    PREFIX_CACHING_HASH_ALGOS,
     CacheConfig,
     ConfigError,
     DeviceConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -63,6 +65,13 @@ class EngineArgs:
     num_kv_blocks: int | None = field(
         default=None, metadata=_help("exact number of KV blocks (overrides --kv-cache-memory)")
     )
+    prefix_caching_hash_algo: str = field(
+        default="kvferry",
+        metadata=_help(
+            "block hash: kvferry (canonical SHA-256) or vLLM's "
+            + ", ".join(PREFIX_CACHING_HASH_ALGOS[1:])
+        ),
+    )
     max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget per step"))
     max_num_seqs: int = field(default=128, metadata=_help("max requests per step"))
     enable_chunked_prefill: bool = field(
@@ -77,6 +86,14 @@ class EngineArgs:
         metadata=_help(
             "KV connector settings as JSON, e.g. "
             '\'{"kv_connector":"ExampleConnector","kv_role":"kv_both"}\''
+        ),
+    )
+
+    kv_events_config: str | dict[str, Any] | KVEventsConfig | None = field(
+        default=None,
+        metadata=_help(
+            "KV cache event publishing as JSON (vLLM's fields), e.g. "
+            '\'{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:5557"}\''
         ),
     )
 
@@ -122,6 +139,16 @@ class EngineArgs:
             return KVTransferConfig.from_json(value)
         return KVTransferConfig.from_dict(value)
 
+    def _kv_events_config(self) -> KVEventsConfig:
+        value = self.kv_events_config
+        if value is None:
+            return KVEventsConfig()
+        if isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            return KVEventsConfig.from_json(value)
+        return KVEventsConfig.from_dict(value)
+
     def create_engine_config(self) -> EngineConfig:
         if self.tensor_parallel_size != 1:
             # Kept as a flag so vLLM command lines parse; refused until tensor parallelism lands.
@@ -143,6 +170,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory=kv_mem,
                 num_kv_blocks=self.num_kv_blocks,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -152,5 +180,6 @@ class EngineArgs:
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(device=self.device),
             kv_transfer_config=self._kv_transfer_config(),
+            kv_events_config=self._kv_events_config(),
             log_stats=self.log_stats,
         )
