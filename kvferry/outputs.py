@@ -35,6 +35,8 @@ class RequestMetrics:
     external_cache_hit_sources: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     kv_connector: dict[str, Any] = field(default_factory=dict)
+    # The request's max_tokens as given (None: up to the context), for metrics.
+    max_tokens_param: int | None = None
 
     @property
     def num_cached_tokens(self) -> int:

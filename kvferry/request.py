@@ -50,6 +50,8 @@ class PrefillStats:
     num_external_cached_tokens: int = 0
     # Of the external ones, tokens by the tier that held them (CacheHitSource values).
     external_cache_hit_sources: dict[str, int] = field(default_factory=dict)
+    # When the first scheduling admitted it (wall clock; vLLM's ``scheduled_ts``).
+    scheduled_time: float = field(default_factory=time.time)
 
     @property
     def num_cached_tokens(self) -> int:

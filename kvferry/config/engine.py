@@ -3,6 +3,7 @@ to the model and KV transfer configs, and the scheduler's check against the allo
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,7 @@ from kvferry.config.model import ModelConfig
 
 # kvferry's own block hash first, then vLLM's names (vllm.config.cache.PrefixCachingHashAlgo).
 PREFIX_CACHING_HASH_ALGOS = ("kvferry", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+_HASH_ALGO_PACKAGES = {"sha256_cbor": "cbor2", "xxhash": "xxhash", "xxhash_cbor": "xxhash"}
 
 
 @dataclass
@@ -30,6 +32,13 @@ class CacheConfig:
             raise ConfigError(
                 f"prefix_caching_hash_algo {self.prefix_caching_hash_algo!r} is not one of "
                 f"{', '.join(PREFIX_CACHING_HASH_ALGOS)}"
+            )
+        # Checked here, before the model loads, rather than when the first request is hashed.
+        package = _HASH_ALGO_PACKAGES.get(self.prefix_caching_hash_algo)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"prefix_caching_hash_algo {self.prefix_caching_hash_algo!r} needs the "
+                f"{package} package: pip install {package}"
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")

@@ -15,6 +15,9 @@ Canonical encoding of one block (all integers big-endian)::
                                   (b"s" UTF-8 str, b"i" i64 int, b"b" raw bytes)
 
 Only full blocks are hashed: a partial block's KV is still growing and cannot be shared.
+
+This is the default ``prefix_caching_hash_algo`` ("kvferry"). vLLM's algorithms, which routers
+built for vLLM recompute from token ids, are in :mod:`kvferry.core.vllm_block_hash`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvferry.core.vllm_block_hash import VllmBlockHasher, digest_size
 from kvferry.request import BlockHash
 
 if TYPE_CHECKING:
@@ -113,15 +117,21 @@ def hash_token_blocks(
     return hashes
 
 
-def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
+def get_request_block_hasher(
+    block_size: int, algo: str = "kvferry"
+) -> Callable[[Request], list[BlockHash]]:
     """Return the ``block_hasher`` to pass to :class:`Request`.
 
     The hasher returns hashes only for blocks that became full since the last call (it
     continues from ``len(request.block_hashes)``), so ``Request`` can extend its list as
-    output tokens arrive without rehashing the prefix.
+    output tokens arrive without rehashing the prefix. ``algo`` is the engine's
+    ``prefix_caching_hash_algo``: "kvferry" (this module) or one of vLLM's (see
+    :mod:`kvferry.core.vllm_block_hash`).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    if algo != "kvferry":
+        return VllmBlockHasher.create(algo).request_hasher(block_size)
 
     def hasher(request: Request) -> list[BlockHash]:
         done = len(request.block_hashes)
@@ -135,3 +145,20 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
         )
 
     return hasher
+
+
+TokenBlockHasher = Callable[..., list[BlockHash]]
+
+
+def token_block_hasher(algo: str = "kvferry") -> TokenBlockHasher:
+    """``hash_token_blocks`` of ``algo``, for whoever holds token ids but no :class:`Request`
+    (routers, tools). Same signature as :func:`hash_token_blocks`; a vLLM algorithm resolves
+    its NONE_HASH seed once, here."""
+    if algo == "kvferry":
+        return hash_token_blocks
+    return VllmBlockHasher.create(algo).hash_token_blocks
+
+
+def block_hash_size(algo: str = "kvferry") -> int:
+    """Bytes per block hash: 32 for kvferry and the SHA-256 algorithms, 16 for xxhash."""
+    return len(NONE_HASH) if algo == "kvferry" else digest_size(algo)

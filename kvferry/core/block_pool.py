@@ -5,12 +5,19 @@ is either *in use* (``ref_cnt > 0``: one or more requests hold it) or *free* (``
 sitting in the free queue). A free block may still carry a hash: its KV is intact and a later
 request with the same prefix can revive it, until the pool hands it out again and drops the
 hash ("eviction").
+
+With KV cache events on, the pool also reports what its prefix cache gains and loses, for
+routers (:mod:`kvferry.kv_events`, medium ``GPU`` as vLLM names the engine pool): a hash is
+announced when its first copy is published and withdrawn when its last copy loses it, so a
+subscriber that keeps a set of hashes is always exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvferry.kv_events.block_runs import blocks_removed, blocks_stored
+from kvferry.kv_events.events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from kvferry.request import BlockHash
 
 
@@ -98,13 +105,30 @@ class BlockPool:
     Contract: every block handed out by :meth:`get_new_blocks` or :meth:`touch` must be given
     back exactly once per reference through :meth:`free_blocks`. With ``enable_caching=False``
     blocks never get hashes and lookups always miss.
+
+    Events (``enable_kv_cache_events``; ``block_size`` is then required): ``BlockStored``
+    per run of consecutive blocks of one :meth:`cache_full_blocks` call whose hashes were
+    not cached yet, ``BlockRemoved`` per call that drops the last copy of some hashes,
+    ``AllBlocksCleared`` per successful :meth:`reset_prefix_cache`; :meth:`take_events`
+    hands them over in order. Off, the pool records nothing.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        block_size: int = 0,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if enable_kv_cache_events and block_size <= 0:
+            raise ValueError("KV cache events need the pool's block_size")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events and enable_caching
+        self.block_size = block_size
+        self.kv_event_queue: list[KVCacheEvent] = []
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         # Several blocks can hold the same content (e.g. two requests computed the same prefix
@@ -137,12 +161,14 @@ class BlockPool:
                 f"cannot allocate {num_blocks} blocks, only {self.get_num_free_blocks()} free"
             )
         out = []
+        removed = self._removed_list()
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             assert block.ref_cnt == 0
-            self._drop_hash(block)
+            self._drop_hash(block, removed)
             block.ref_cnt = 1
             out.append(block)
+        self._emit_removed(removed)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -169,30 +195,51 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
         ``block_hashes[i]`` is the hash of ``blocks[i]``'s content. Blocks that already carry
-        a hash (prefix-cache hits) are left as they are.
+        a hash (prefix-cache hits) are left as they are. ``token_ids`` (the sequence's tokens
+        from its start) and ``cache_salt`` are only read for events.
         """
         if not self.enable_caching:
             return
         assert num_full_blocks <= min(len(blocks), len(block_hashes))
+        events = self.enable_kv_cache_events
+        run_start: int | None = None  # first block of the run of new hashes being built
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None:
                 assert block.block_hash == block_hashes[i], "block content changed under its hash"
+                new_hash = False
+            else:
+                block.block_hash = block_hashes[i]
+                entry = self.cached_blocks.setdefault(block.block_hash, {})
+                # Another block may already hold this content (two requests computed the
+                # same prefix); subscribers heard of the hash then.
+                new_hash = not entry
+                entry[block.block_id] = block
+            if not events:
                 continue
-            block.block_hash = block_hashes[i]
-            self.cached_blocks.setdefault(block.block_hash, {})[block.block_id] = block
+            if new_hash and run_start is None:
+                run_start = i
+            elif not new_hash and run_start is not None:
+                self._emit_stored(block_hashes, token_ids, run_start, i, cache_salt)
+                run_start = None
+        if run_start is not None:
+            self._emit_stored(block_hashes, token_ids, run_start, num_full_blocks, cache_salt)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove the blocks' hashes so no later lookup hits them (e.g. their KV is known bad).
 
         Holders keep their references; the blocks just stop being shareable.
         """
+        removed = self._removed_list()
         for block_id in block_ids:
-            self._drop_hash(self.blocks[block_id])
+            self._drop_hash(self.blocks[block_id], removed)
+        self._emit_removed(removed)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False) while any block is in use,
@@ -202,9 +249,12 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
 
-    def _drop_hash(self, block: KVCacheBlock) -> None:
+    def _drop_hash(self, block: KVCacheBlock, removed: list[BlockHash] | None = None) -> None:
+        """Unpublish ``block``; its hash goes to ``removed`` if no other block holds it."""
         if block.block_hash is None:
             return
         entry = self.cached_blocks.get(block.block_hash)
@@ -212,7 +262,38 @@ class BlockPool:
             entry.pop(block.block_id, None)
             if not entry:
                 del self.cached_blocks[block.block_hash]
+                if removed is not None:
+                    removed.append(block.block_hash)
         block.block_hash = None
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _emit_stored(
+        self,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        cache_salt: str | None,
+    ) -> None:
+        assert len(token_ids) >= end * self.block_size, "cache_full_blocks needs the tokens"
+        self.kv_event_queue.append(
+            blocks_stored(
+                block_hashes, token_ids, start, end, self.block_size, MEDIUM_GPU, cache_salt
+            )
+        )
+
+    def _removed_list(self) -> list[BlockHash] | None:
+        return [] if self.enable_kv_cache_events else None
+
+    def _emit_removed(self, removed: list[BlockHash] | None) -> None:
+        if removed:
+            self.kv_event_queue.append(blocks_removed(removed, MEDIUM_GPU))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first (always [] with events off)."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     # -- invariants -----------------------------------------------------------------------
 

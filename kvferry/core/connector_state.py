@@ -122,7 +122,6 @@ class ConnectorState:
         self._awaiting_send: set[str] = set()
         self._awaiting_recv: set[str] = set()
         self._stats: KVConnectorStats | None = None
-        self._events: list[Any] = []
         # External hit tokens by tier of the request being admitted, until the scheduler takes
         # them into its PrefillStats (right after the allocation).
         self._hit_sources: dict[str, dict[str, int]] = {}
@@ -296,13 +295,14 @@ class ConnectorState:
         self, kv_out: KVConnectorOutput | None, requests: Mapping[str, Request]
     ) -> list[str]:
         """Hand the step's connector output (None: the workers sent none) to the connector,
-        collect stats and events, then apply the completions.
+        collect stats, then apply the completions. (The workers' KV cache events reach the
+        connector with the output; the scheduler drains ``take_events()`` after this.)
 
         A finished load of a waiting request is remembered (promoted at the next schedule);
         one of a finished request releases its orphaned blocks. Returns the finished requests
         whose blocks are released now: the caller frees them and forgets the requests.
         """
-        self._collect_stats_and_events(kv_out)
+        self._collect_stats(kv_out)
         if kv_out is None:
             return []
         if self.connector is not None:
@@ -327,7 +327,7 @@ class ConnectorState:
                 release.append(req_id)
         return release
 
-    def _collect_stats_and_events(self, kv_out: KVConnectorOutput | None) -> None:
+    def _collect_stats(self, kv_out: KVConnectorOutput | None) -> None:
         for stats in (
             kv_out.kv_connector_stats if kv_out is not None else None,
             self.connector.get_kv_connector_stats() if self.connector is not None else None,
@@ -337,14 +337,6 @@ class ConnectorState:
             if isinstance(stats, dict):
                 stats = self._rebuild_stats(stats)
             self._stats = stats if self._stats is None else self._stats.aggregate(stats)
-        # Workers' events arrive as one list (the executor's aggregator concatenates them).
-        worker_events = kv_out.kv_cache_events if kv_out is not None else None
-        if isinstance(worker_events, list):
-            self._events.extend(worker_events)
-        elif worker_events is not None:
-            self._events.append(worker_events)
-        if self.connector is not None:
-            self._events.extend(self.connector.take_events())
 
     def _rebuild_stats(self, data: dict[str, Any]) -> KVConnectorStats:
         """Stats a worker sent as plain data, as the connector's own stats class."""
@@ -372,10 +364,6 @@ class ConnectorState:
     def take_stats(self) -> KVConnectorStats | None:
         stats, self._stats = self._stats, None
         return stats
-
-    def take_events(self) -> list[Any]:
-        events, self._events = self._events, []
-        return events
 
     def reset_cache(self) -> bool:
         """Reset the connector's own cache; True on success or when it has none."""

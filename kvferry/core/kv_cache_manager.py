@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvferry.config import ConfigError
 from kvferry.core.block_pool import BlockPool, KVCacheBlock
 from kvferry.kv_cache_config import KVCacheConfig
+from kvferry.kv_events.events import KVCacheEvent
 from kvferry.request import Request
 
 
@@ -87,6 +88,10 @@ class KVCacheManager:
     (nothing else may allocate in between, or the hit blocks might be evicted); call
     :meth:`free` exactly once when the request is done or preempted. ``request.num_computed_tokens``
     must still hold the value from *before* the tokens being allocated for.
+
+    With ``enable_kv_cache_events`` the pool records what its prefix cache gains and loses
+    (see :class:`BlockPool`); the scheduler collects them once per step with
+    :meth:`take_events`.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         log_stats: bool = True,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         if len(kv_cache_config.groups) != 1:
             raise ConfigError(
@@ -105,7 +111,12 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks,
+            enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            block_size=self.block_size,
+        )
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are published in the prefix cache; blocks
         # past this index may still be filling up.
@@ -250,7 +261,14 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks.get(req_id, 0)
         if num_full <= num_cached:
             return
-        self.block_pool.cache_full_blocks(table, request.block_hashes, num_cached, num_full)
+        self.block_pool.cache_full_blocks(
+            table,
+            request.block_hashes,
+            num_cached,
+            num_full,
+            request.all_token_ids,
+            request.cache_salt,
+        )
         self.num_cached_blocks[req_id] = num_full
 
     def uncache_blocks(self, request: Request, num_valid_tokens: int) -> None:
@@ -289,6 +307,10 @@ class KVCacheManager:
         if ok:
             self.prefix_cache_stats.reset()
         return ok
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's KV cache events since the last call ([] with events off)."""
+        return self.block_pool.take_events()
 
     def check_integrity(self) -> None:
         """Assert pool and table invariants; raise AssertionError on the first violation.

@@ -22,6 +22,9 @@ class EngineCoreOutput:
     num_external_cached_tokens: int = 0
     external_cache_hit_sources: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    # For request metrics: when the first scheduling admitted it, and its preemptions so far.
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
 
     @classmethod
     def from_request(
@@ -45,6 +48,10 @@ class EngineCoreOutput:
             num_external_cached_tokens=stats.num_external_cached_tokens,
             external_cache_hit_sources=stats.external_cache_hit_sources,
             error=request.error,
+            first_scheduled_time=request.prefill_stats.scheduled_time
+            if request.prefill_stats
+            else None,
+            num_preemptions=request.num_preemptions,
         )
 
     @property

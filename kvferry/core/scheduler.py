@@ -31,6 +31,7 @@ import logging
 import time
 from collections import deque
 from itertools import chain
+from typing import Any
 
 from kvferry.core import timeline
 from kvferry.core.admission import Admission, AdmissionDecision, allocate_for_admission
@@ -41,6 +42,7 @@ from kvferry.core.outputs import EngineCoreOutput
 from kvferry.core.scheduler_base import SchedulerBase
 from kvferry.core.step_plan import StepPlan, num_valid_tokens_of_step
 from kvferry.core.stop import check_stop
+from kvferry.kv_events.events import KVEventBatch
 from kvferry.request import PrefillStats, Request, RequestStatus
 from kvferry.step_types.kv_connector_output import KVConnectorOutput
 from kvferry.step_types.runner_output import ModelRunnerOutput, TokenLogprobs
@@ -284,7 +286,8 @@ class Scheduler(SchedulerBase):
 
         Order: requests that failed while being scheduled, KV load failures (so no token
         sampled on bad KV is emitted), requests the workers failed, sampled tokens, then the
-        connector output (``update_connector_output``, finished loads and sends).
+        connector output (``update_connector_output``, finished loads and sends), and last
+        the step's KV cache events, published as one batch.
         """
         kv_out = model_runner_output.kv_connector_output
         outputs, self._undelivered = self._undelivered, []
@@ -296,7 +299,26 @@ class Scheduler(SchedulerBase):
         # KV connector: completions; blocks of finished requests may be released now.
         for req_id in self.connector_state.process_transfers(kv_out, self.requests):
             self._free_blocks(self.requests[req_id])
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """The prefix cache's and the connector's events since the last batch, as one."""
+        events: list[Any] = self.kv_cache_manager.take_events()
+        # KV connector: take_events every step (consumed: it may be a generator), published
+        # or not, so the connector's queue cannot grow.
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        if events and self.kv_event_publisher is not None:
+            # kvferry's engine is data-parallel rank 0 of its own.
+            batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+            self.kv_event_publisher.publish(batch)
+
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        ok = super().reset_prefix_cache(reset_connector)
+        # Between steps: subscribers learn of the reset now, not with the next request.
+        self._publish_kv_events()
+        return ok
 
     def _handle_load_failures(
         self, so: SchedulerOutput, kv_out: KVConnectorOutput | None

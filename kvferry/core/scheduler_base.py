@@ -16,6 +16,7 @@ from typing import Any
 
 from kvferry.config import (
     CacheConfig,
+    KVEventsConfig,
     SchedulerConfig,
     check_kv_load_failure_policy,
     check_scheduler_limits,
@@ -23,6 +24,7 @@ from kvferry.config import (
 from kvferry.core.connector_state import ConnectorState, FinishOutcome
 from kvferry.core.integrity import check_scheduler_integrity
 from kvferry.core.kv_cache_manager import KVCacheManager
+from kvferry.core.kv_event_publishing import KVEventPublisher, create_publisher
 from kvferry.core.outputs import EngineCoreOutput
 from kvferry.core.stats import SchedulerStats
 from kvferry.kv_cache_config import KVCacheConfig
@@ -33,7 +35,12 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerBase:
-    """Requests, queues and finishing; see :class:`~kvferry.core.scheduler.Scheduler`."""
+    """Requests, queues and finishing; see :class:`~kvferry.core.scheduler.Scheduler`.
+
+    ``kv_events_config`` turns KV cache events on (``.publishes``): the scheduler then owns a
+    publisher (``kv_event_publisher``, made by ``EventPublisherFactory`` unless one is given)
+    and shuts it down with itself.
+    """
 
     def __init__(
         self,
@@ -44,6 +51,8 @@ class SchedulerBase:
         log_stats: bool = False,
         connector: KVConnectorBase | None = None,
         kv_load_failure_policy: str = "fail",
+        kv_events_config: KVEventsConfig | None = None,
+        kv_event_publisher: KVEventPublisher | None = None,
     ) -> None:
         check_scheduler_limits(
             scheduler_config, cache_config, kv_cache_config.block_size, max_model_len
@@ -56,12 +65,17 @@ class SchedulerBase:
         self.max_model_len = max_model_len
         self.block_size = kv_cache_config.block_size
         self.log_stats = log_stats
+        publishes = kv_events_config is not None and kv_events_config.publishes
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             log_stats=log_stats,
+            enable_kv_cache_events=publishes,
         )
+        self.kv_event_publisher: KVEventPublisher | None = None
+        if publishes:
+            self.kv_event_publisher = kv_event_publisher or create_publisher(kv_events_config)
         # KV connector: the scheduler-role connector and the state kept around it.
         self.connector = connector
         self.connector_state = ConnectorState(connector, self.kv_cache_manager)
@@ -229,10 +243,6 @@ class SchedulerBase:
         """Connector stats (workers' aggregated with the scheduler side's) since last call."""
         return self.connector_state.take_stats()
 
-    def take_kv_cache_events(self) -> list[Any]:
-        """KV cache events from the workers and ``connector.take_events()`` since last call."""
-        return self.connector_state.take_events()
-
     def make_stats(self) -> SchedulerStats | None:
         """Current stats, or None unless the scheduler was built with ``log_stats=True``."""
         if not self.log_stats:
@@ -270,5 +280,12 @@ class SchedulerBase:
             self.kv_cache_manager,
         )
 
+    def close_kv_event_publisher(self) -> None:
+        """Stop the KV event publisher (the first call only); later events are dropped."""
+        publisher, self.kv_event_publisher = self.kv_event_publisher, None
+        if publisher is not None:
+            publisher.shutdown()
+
     def shutdown(self) -> None:
+        self.close_kv_event_publisher()
         self.connector_state.shutdown()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any, Union
 
 from tqdm import tqdm
@@ -27,8 +29,30 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 class LLM:
+    """The offline engine. ``shutdown()`` (or ``with LLM(...) as llm:``) stops it: the KV
+    event publisher, the connector, the workers."""
+
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
+        scheduler = self.engine.scheduler
+        if scheduler.kv_event_publisher is not None:
+            # A publisher holds a socket and a thread: without shutdown() they still close
+            # when this LLM is collected or the interpreter exits.
+            weakref.finalize(self, scheduler.close_kv_event_publisher)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

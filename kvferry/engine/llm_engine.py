@@ -83,6 +83,7 @@ class LLMEngine:
             log_stats=config.log_stats,
             connector=connector,
             kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "fail",
+            kv_events_config=config.kv_events_config,
         )
         if connector is not None:
             # KV connector: what each worker's connector published after register_kv_caches
@@ -98,7 +99,10 @@ class LLMEngine:
         self.kv_connector_totals = KVConnectorStatsTotals()
         self._interval_kv_stats = KVConnectorStatsTotals()
         self.last_step_kv_connector_stats: KVConnectorStats | None = None
-        self._block_hasher = get_request_block_hasher(config.cache_config.block_size)
+        self.last_step_num_scheduled_tokens = 0  # for the iteration-tokens metric
+        self._block_hasher = get_request_block_hasher(
+            config.cache_config.block_size, config.cache_config.prefix_caching_hash_algo
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._last_log = time.monotonic()
@@ -203,6 +207,7 @@ class LLMEngine:
         the caller aborts its requests.
         """
         scheduler_output = self.scheduler.schedule()
+        self.last_step_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         try:
             runner_output = self.executor.execute_model(scheduler_output)
             core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -253,5 +258,10 @@ class LLMEngine:
         self._last_log, self._tokens_since_log = now, 0
 
     def shutdown(self) -> None:
+        """Stop the scheduler (its KV event publisher, the connector) and the workers; only
+        the first call does anything."""
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
         self.scheduler.shutdown()
         self.executor.shutdown()

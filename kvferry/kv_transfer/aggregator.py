@@ -3,12 +3,16 @@
 A request id is reported finished (sending or receiving) only once every expected worker has
 reported it, possibly over several steps. A failed receive is reported when its
 finished_recving quorum completes, so the scheduler sees failure and completion together.
+KV cache events are merged per step (``merge_worker_events``): an event is published once
+every worker of the step reported it, unless the connector's ``KVConnectorKVEvents`` keeps
+more (the union, for sharded writes).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+from kvferry.kv_events.aggregation import merge_worker_events
 from kvferry.step_types.kv_connector_output import KVConnectorOutput
 
 
@@ -53,12 +57,11 @@ class KVOutputAggregator:
                     result.kv_connector_worker_meta = result.kv_connector_worker_meta.aggregate(
                         out.kv_connector_worker_meta
                     )
-            if out.kv_cache_events is not None:
-                events = result.kv_cache_events if result.kv_cache_events is not None else []
-                events.extend(out.kv_cache_events)
-                result.kv_cache_events = events
             result.invalid_block_ids |= out.invalid_block_ids
             self._pending_failed |= out.failed_recving
+        result.kv_cache_events = merge_worker_events(
+            [out.kv_cache_events if out is not None else None for out in outputs]
+        )
         failed = self._pending_failed & recving
         self._pending_failed -= failed
         result.finished_sending = sending or None

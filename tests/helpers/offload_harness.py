@@ -29,6 +29,7 @@ from kvferry.kv_transfer.offload.transfer import TransferEngine
 from kvferry.request import Request
 from kvferry.step_types.kv_connector_output import KVConnectorOutput
 from kvferry.step_types.scheduler_output import SchedulerOutput
+from tests.helpers.kv_events import events_on
 from tests.helpers.scheduler import FakeWorker, assert_no_leaks
 
 _MOD = (1 << 47) - 115  # a prime: values stay exact in float64
@@ -57,7 +58,9 @@ class OffloadHarness:
         model_path: str | None = None,
         enable_prefix_caching: bool = True,
         num_layers: int = 2,
+        kv_event_publisher: Any = None,
     ) -> None:
+        """``kv_event_publisher``: turn KV cache events on and hand the batches to it."""
         # Background stores unless a test asks otherwise: the lifecycle tests are about jobs
         # that are still in flight while the scheduler moves on.
         extra = {"host_store_mode": "background", **extra}
@@ -74,6 +77,7 @@ class OffloadHarness:
                 cache_config=SimpleNamespace(enable_prefix_caching=enable_prefix_caching),
                 parallel_config=SimpleNamespace(tensor_parallel_size=1),
                 model_config=SimpleNamespace(model=model_path),
+                kv_events_config=events_on() if kv_event_publisher is not None else None,
             ),
         )
         layers = tuple(f"model.layers.{i}.self_attn" for i in range(num_layers))
@@ -104,6 +108,8 @@ class OffloadHarness:
             log_stats=True,
             connector=self.sched_conn,
             kv_load_failure_policy=policy,
+            kv_events_config=self.config.kv_events_config,
+            kv_event_publisher=kv_event_publisher,
         )
         self.fake = FakeWorker(self.scheduler)
         self.aggregator = KVOutputAggregator(1)

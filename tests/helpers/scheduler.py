@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvferry.config import CacheConfig, SchedulerConfig
+from kvferry.config import CacheConfig, KVEventsConfig, SchedulerConfig
 from kvferry.core.block_hash import get_request_block_hasher
+from kvferry.core.kv_event_publishing import KVEventPublisher
 from kvferry.core.outputs import EngineCoreOutput
 from kvferry.core.scheduler import Scheduler
 from kvferry.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
@@ -68,6 +69,8 @@ def create_scheduler(
     log_stats: bool = True,
     connector: KVConnectorBase | None = None,
     kv_load_failure_policy: str = "fail",
+    kv_events_config: KVEventsConfig | None = None,
+    kv_event_publisher: KVEventPublisher | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -81,6 +84,8 @@ def create_scheduler(
         log_stats=log_stats,
         connector=connector,
         kv_load_failure_policy=kv_load_failure_policy,
+        kv_events_config=kv_events_config,
+        kv_event_publisher=kv_event_publisher,
     )
 
 

@@ -62,13 +62,13 @@ def test_invalid_blocks_stats_events_and_worker_meta_are_merged() -> None:
             KVConnectorOutput(
                 invalid_block_ids={1, 2},
                 kv_connector_stats=KVConnectorStats({"bytes": 10, "lat": [1.0]}),
-                kv_cache_events=["e0"],
+                kv_cache_events=["e0", "both"],
                 kv_connector_worker_meta=CountMeta({"job": 1}),
             ),
             KVConnectorOutput(
                 invalid_block_ids={2, 3},
                 kv_connector_stats=KVConnectorStats({"bytes": 5, "lat": [3.0]}),
-                kv_cache_events=["e1"],
+                kv_cache_events=["both", "e1"],
                 kv_connector_worker_meta=CountMeta({"job": 1, "other": 1}),
             ),
         ]
@@ -77,7 +77,7 @@ def test_invalid_blocks_stats_events_and_worker_meta_are_merged() -> None:
     assert out.kv_connector_stats is not None
     assert out.kv_connector_stats.data == {"bytes": 15, "lat": [1.0, 3.0]}
     assert out.kv_connector_stats.reduce() == {"bytes": 15, "lat_avg": 2.0, "lat_count": 2}
-    assert out.kv_cache_events == ["e0", "e1"]
+    assert out.kv_cache_events == ["both"]  # published once every worker reported it
     assert out.kv_connector_worker_meta == CountMeta({"job": 2, "other": 1})
     assert out.expected_finished_count == 2
 

@@ -288,5 +288,5 @@ def test_cache_hit_sources_in_prometheus() -> None:
     metrics.record_finished(RequestOutput("r", None, [1] * 60, [], True, metrics=m))
     out = metrics.render().decode()
     for source, n in (("device", 16), ("host", 16), ("disk", 16)):
-        line = f'kvferry_prompt_tokens_cached_by_source_total{{model_name="m",source="{source}"}}'
+        line = f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="m",source="{source}"}}'
         assert f"{line} {float(n)}" in out

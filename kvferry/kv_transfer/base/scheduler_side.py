@@ -137,7 +137,10 @@ class KVConnectorSchedulerSide(ABC):
         finished_recving / finished_sending."""
 
     def take_events(self) -> Iterable[Any]:
-        """KV cache events of the scheduler side since the last call."""
+        """KV cache events since the last call (``kvferry.kv_events`` types), called once per
+        step after ``update_connector_output``; the scheduler publishes them in that step's
+        batch. The workers' events (``KVConnectorOutput.kv_cache_events``, merged across
+        workers) are published only if the connector returns them from here, as in vLLM."""
         return ()
 
     def get_finished_count(self) -> int | None:

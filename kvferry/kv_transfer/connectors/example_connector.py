@@ -12,6 +12,11 @@ prefix that excludes its last prompt token (what a lookup of the same prompt can
 its prefill has computed it. A file that is missing or does not match is reported as a
 load error, so the engine's ``kv_load_failure_policy`` applies.
 
+With the engine's KV cache events on, each prefix this engine writes is announced as
+``BlockStored`` with medium ``STORAGE`` (its blocks not announced before, by the engine's
+block hashes and tokens) once the step that wrote it is over. Files are never deleted, so
+nothing is withdrawn.
+
 Extra config: ``shared_storage_path`` (default ``/tmp/kvferry-example``).
 """
 
@@ -30,6 +35,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from kvferry.kv_events.block_runs import blocks_stored
+from kvferry.kv_events.events import MEDIUM_STORAGE, KVCacheEvent
 from kvferry.kv_transfer.base import (
     CacheHitSource,
     KVConnectorBase,
@@ -117,6 +124,11 @@ class ExampleConnector(KVConnectorBase):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._staged: dict[str, Path] = {}  # store key -> temp folder being written
         self._load_errors: set[int] = set()
+        events = getattr(config, "kv_events_config", None)
+        self._kv_events = bool(events is not None and events.publishes)
+        # Saves planned, announced once their folder is complete: (key, request, blocks).
+        self._unconfirmed: list[tuple[str, Request, int]] = []
+        self._announced: set[bytes] = set()  # block hashes announced in STORAGE
 
     # ---------------------------------------------------------------- scheduler side
     def _complete(self, key: str) -> bool:
@@ -191,7 +203,32 @@ class ExampleConnector(KVConnectorBase):
             if not self._complete(key):
                 blocks = state.block_ids[: state.store_len // self.block_size]
                 meta.stores.append(PrefixJob(req_id, key, state.store_len, blocks))
+                if self._kv_events:
+                    self._unconfirmed.append((key, state.request, len(blocks)))
         return meta
+
+    def take_events(self) -> list[KVCacheEvent]:
+        # Called after the step's output came back: its saves are done (or failed) by now.
+        saves, self._unconfirmed = self._unconfirmed, []
+        events: list[KVCacheEvent] = []
+        for key, request, num_blocks in saves:
+            hashes = request.block_hashes[:num_blocks]
+            first = next((i for i, h in enumerate(hashes) if h not in self._announced), None)
+            if first is None or not self._complete(key):
+                continue
+            self._announced.update(hashes[first:])
+            events.append(
+                blocks_stored(
+                    request.block_hashes,
+                    request.all_token_ids,
+                    first,
+                    num_blocks,
+                    self.block_size,
+                    MEDIUM_STORAGE,
+                    request.cache_salt,
+                )
+            )
+        return events
 
     def request_finished(
         self, request: Request, block_ids: list[int]

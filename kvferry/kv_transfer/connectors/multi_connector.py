@@ -334,8 +334,14 @@ class MultiConnector(MultiClassHooks, KVConnectorBase, SupportsHMA):
         return MultiKVConnectorStats(by_child=by_child) if by_child else None
 
     def get_kv_connector_kv_cache_events(self) -> Any | None:
-        events = [c.get_kv_connector_kv_cache_events() for c in self.children]
-        flat = [e for ev in events if ev for e in ev]
+        # Children are different connectors on this one worker: their events are a union.
+        flat: list[Any] = []
+        for child in self.children:
+            ev = child.get_kv_connector_kv_cache_events()
+            if ev is None:
+                continue
+            get_all = getattr(ev, "get_all_events", None)
+            flat.extend(get_all() if callable(get_all) else ev)
         return flat or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:

@@ -4,14 +4,15 @@ Folder: ``<disk_path>/<fingerprint>/`` where the fingerprint digests the model (
 ``config.json`` and a sample of its weight files), the KV layout (layers, heads, head size,
 dtype, block size), the chunk size and, when the files are keyed, an identifier of the key, so
 engines of different models, layouts or keys never read each other's files (a keyed engine
-never sees an unkeyed folder, nor one keyed with another deployment's secret). File name: the
-chunk key (a chained SHA-256 block hash) in hex, so a new engine on the same folder finds the
-same chunks.
+never sees an unkeyed folder, nor one keyed with another deployment's secret), and the
+prefix-cache hash algorithm when it is not kvferry's own, so engines hashing blocks differently
+never take each other's chunks. File name: the chunk key (a chained block hash: 32 bytes, or 16
+for vLLM's xxhash algorithms) in hex, so a new engine on the same folder finds the same chunks.
 
 File layout (little endian), without a key (``b"KVFCHNK1"``) and with one (``b"KVFCHNK2"``)::
 
     magic   8 bytes  b"KVFCHNK1"            | b"KVFCHNK2"
-    key     32 bytes the chunk key
+    key     32 bytes the chunk key (zero-padded when shorter)
     layout  16 bytes the folder's fingerprint digest
     length  u64      payload bytes
     check   u32 CRC32 of the payload, u32 0 | 32 bytes keyed BLAKE2b of the 64 bytes above
@@ -62,6 +63,7 @@ HEADER = struct.Struct("<8s32s16sQII")
 KEYED_HEADER = struct.Struct("<8s32s16sQ32s")
 _KEYED_PREFIX = 8 + 32 + 16 + 8  # header bytes the MAC covers before the payload
 SUFFIX = ".kvc"
+MAX_KEY_BYTES = 32
 DEFAULT_READ_TIMEOUT_S = 5.0
 _SAMPLE_BYTES = 1 << 20
 _STALE_TMP_S = 3600.0
@@ -106,10 +108,14 @@ def layout_fingerprint(
     block_size: int,
     blocks_per_chunk: int,
     disk_key: bytes | None = None,
+    hash_algo: str = "kvferry",
 ) -> str:
-    """Folder name for one model, KV layout and key: readable prefix plus a 16-byte digest."""
+    """Folder name for one model, KV layout, key and block hash algorithm: readable prefix plus
+    a 16-byte digest (kvferry's own algorithm adds nothing, so its folders keep their names)."""
     dt = str(dtype).removeprefix("torch.")
     desc = f"{num_layers}l-{num_kv_heads}x{head_dim}-{dt}-bs{block_size}-c{blocks_per_chunk}"
+    if hash_algo != "kvferry":
+        desc += f"-{hash_algo}"
     material = f"{model_digest}/{desc}"
     if disk_key is not None:
         desc += "-keyed"
@@ -228,6 +234,8 @@ class DiskStore:
 
     def _header(self, key_hex: str, parts: list[memoryview]) -> bytes:
         key = bytes.fromhex(key_hex)
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"chunk keys are 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
         if self.key is None:
             crc = 0
             for p in parts:
@@ -292,7 +300,8 @@ class DiskStore:
             raise CorruptChunk(f"{path.name}: truncated header")
         magic, key, layout, length, *check = h.unpack(raw[: h.size])
         want_magic = MAGIC if self.key is None else MAGIC_KEYED
-        if magic != want_magic or key.hex() != key_hex or layout != self.layout_digest:
+        want_key = bytes.fromhex(key_hex).ljust(MAX_KEY_BYTES, b"\0")
+        if magic != want_magic or key != want_key or layout != self.layout_digest:
             raise CorruptChunk(f"{path.name}: header does not match")
         if length != self.payload:
             raise CorruptChunk(f"{path.name}: payload {length} bytes, expected {self.payload}")
@@ -366,7 +375,7 @@ def scan_folder(folder: Path, expected_size: int) -> tuple[list[bytes], list[byt
             st = entry.stat(follow_symlinks=False)
         except (ValueError, OSError):
             continue
-        if len(key) != 32:
+        if not 0 < len(key) <= MAX_KEY_BYTES:
             continue
         if not stat.S_ISREG(st.st_mode) or st.st_size != expected_size:
             bad.append(key)

@@ -17,13 +17,19 @@ is room, else :meth:`request_verify` just checks it (VERIFY); only then is it of
 corrupt or truncated file therefore turns into a miss before any engine block was promised.
 A loader still checks every file it reads, so bytes that went bad later fail that load (the
 engine's ``kv_load_failure_policy`` applies) and never reach the engine's KV.
+
+KV cache events (when the connector sets :attr:`TieredOffloadingManager.events`): a chunk is
+announced in a tier when its bytes there are complete (a store, a disk write, a promotion, a
+file that checked out) and withdrawn when the tier evicts or drops it; see
+:mod:`kvferry.kv_transfer.offload.events`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
 
+from kvferry.kv_events.events import KVCacheEvent
+from kvferry.kv_transfer.offload.events import ChunkEvents
 from kvferry.kv_transfer.offload.manager_base import (
     DiskOps,
     LookupStatus,
@@ -56,7 +62,8 @@ class TieredOffloadingManager(OffloadingManager):
         self._writing: set[Key] = set()  # host chunks pinned until their file is written
         self._verifying: set[Key] = set()  # files being checked (pinned meanwhile)
         self._ops = DiskOps()
-        self._events: list[dict[str, Any]] = []
+        # Set by the connector when KV cache events are on; None: nothing is recorded.
+        self.events: ChunkEvents | None = None
 
     # -- lookups and holds ----------------------------------------------------------------
 
@@ -116,6 +123,7 @@ class TieredOffloadingManager(OffloadingManager):
         self.disk.unpin(key)
         if ok:
             entry.verified = True
+            self._stored("disk", key)
         else:
             self._drop_file(key)
 
@@ -248,7 +256,7 @@ class TieredOffloadingManager(OffloadingManager):
                 continue
             if ok:
                 self.host.commit(key)
-                self._event("stored", "cpu", key)
+                self._stored("cpu", key)
             else:
                 self._drop_host(key)
 
@@ -262,9 +270,10 @@ class TieredOffloadingManager(OffloadingManager):
             return
         if ok:
             self.disk.commit(key, verified=True)
-            self._event("stored", "disk", key)
+            self._stored("disk", key)
         else:
             self.disk.discard(key)
+            self._removed("disk", key)
 
     def complete_promote(self, key: Key, ok: bool) -> None:
         assert self.disk is not None
@@ -275,10 +284,11 @@ class TieredOffloadingManager(OffloadingManager):
             self._drop_file(key)
         elif key in self.host:
             self.host.commit(key, verified=True)
-            self._event("stored", "cpu", key)
+            self._stored("cpu", key)
             entry = self.disk.get(key)
             if entry is not None:
                 entry.verified = True
+                self._stored("disk", key)
 
     # -- housekeeping ---------------------------------------------------------------------
 
@@ -289,6 +299,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._writing.discard(key)
         self._from_disk.discard(key)
         self.host.discard(key)
+        self._removed("cpu", key)
 
     def _drop_file(self, key: Key) -> None:
         """A file is corrupt, truncated or missing: forget it, with its holds, and delete it."""
@@ -298,23 +309,30 @@ class TieredOffloadingManager(OffloadingManager):
             held.pop(("disk", key), None)
         if key in self.disk:
             self.disk.discard(key)
-            self._event("removed", "disk", key)
+            self._removed("disk", key)
         self._ops.deletes.append(key)
 
     def _host_evicted(self, keys: list[Key]) -> None:
         for key in keys:
             self._from_disk.discard(key)
-            self._event("removed", "cpu", key)
+            self._removed("cpu", key)
         self.stats.add("evicted_host", len(keys))
 
     def _disk_evicted(self, keys: list[Key]) -> None:
         for key in keys:
             self._ops.deletes.append(key)
-            self._event("removed", "disk", key)
+            self._removed("disk", key)
         self.stats.add("evicted_disk", len(keys))
 
-    def _event(self, kind: str, medium: str, key: Key) -> None:
-        self._events.append({"type": kind, "medium": medium, "block_hash": key.hex()})
+    def _stored(self, tier: str, key: Key) -> None:
+        if self.events is not None:
+            self.events.stored(tier, key)
+
+    def _removed(self, tier: str, key: Key) -> None:
+        """After ``tier`` dropped ``key`` (evicted, or an entry that never became valid)."""
+        if self.events is not None:
+            held = key in self.host or (self.disk is not None and key in self.disk)
+            self.events.removed(tier, key, held)
 
     def take_disk_ops(self) -> DiskOps:
         ops, self._ops = self._ops, DiskOps()
@@ -328,9 +346,8 @@ class TieredOffloadingManager(OffloadingManager):
         ops = self._ops
         return bool(ops.promotions or ops.verifies or ops.deletes)
 
-    def take_events(self) -> list[dict[str, Any]]:
-        events, self._events = self._events, []
-        return events
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.events.take() if self.events is not None else []
 
     def reset(self) -> bool:
         """Drop every chunk nobody holds; False while some are held or in flight."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvferry.kv_events.events import KVCacheEvent
 from kvferry.kv_transfer.offload.policies import Key
 
 
@@ -55,6 +55,8 @@ class OffloadingManager(ABC):
       entries and returns the plan; ``complete_store(keys, ok)`` publishes or drops them, and
       ``complete_disk_write(key, ok)`` does the same for a file.
     * ``take_disk_ops()`` returns the queued promotions, checks and file deletions.
+    * ``take_events()`` returns the tiers' KV cache events since the last call (typed, with
+      medium ``CPU`` or ``STORAGE``); [] unless the connector turned events on.
     """
 
     @abstractmethod
@@ -80,7 +82,7 @@ class OffloadingManager(ABC):
     @abstractmethod
     def take_disk_ops(self) -> DiskOps: ...
     @abstractmethod
-    def take_events(self) -> list[dict[str, Any]]: ...
+    def take_events(self) -> list[KVCacheEvent]: ...
     @abstractmethod
     def reset(self) -> bool: ...
     @abstractmethod

@@ -1,27 +1,9 @@
-"""``KVEventsConfig``: vLLM's KV-event publisher settings, with vLLM's defaults."""
+"""``vllm.config.kv_events``: kvferry's ``KVEventsConfig`` (vLLM's fields and meanings).
 
-from __future__ import annotations
+One difference from vLLM: the default ``endpoint`` is ``tcp://127.0.0.1:5557``, not
+``tcp://*:5557`` (see ``kvferry.config.kv_events``).
+"""
 
-from dataclasses import dataclass
-from typing import Literal
+from kvferry.config.kv_events import KVEventsConfig
 
 __all__ = ["KVEventsConfig"]
-
-
-@dataclass
-class KVEventsConfig:
-    """kvferry publishes no KV events, so a view always carries ``enable_kv_cache_events``
-    False; the fields are those connectors read."""
-
-    enable_kv_cache_events: bool = False
-    publisher: Literal["null", "zmq"] | None = None
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"

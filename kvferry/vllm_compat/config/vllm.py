@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvferry.config import EngineConfig, KVTransferConfig
-from kvferry.vllm_compat.config.kv_events import KVEventsConfig
+from kvferry.config import EngineConfig, KVEventsConfig, KVTransferConfig
 
 if TYPE_CHECKING:
     from kvferry.config import CacheConfig as KvferryCacheConfig
@@ -141,7 +140,13 @@ class CacheConfig(_View):
 
     # The KV pool is stored in the model's dtype ("auto"); kvferry has no quantized KV.
     cache_dtype = "auto"
-    prefix_caching_hash_algo = "sha256"
+
+    @property
+    def prefix_caching_hash_algo(self) -> str:
+        # kvferry's own algorithm has no vLLM name: report vLLM's default, as before.
+        algo = self._wrapped.prefix_caching_hash_algo
+        return "sha256" if algo == "kvferry" else algo
+
     num_cpu_blocks: int | None = None
     gpu_memory_utilization: float | None = None
     sliding_window: int | None = None
@@ -217,8 +222,8 @@ class VllmConfig(_View):
     """The engine's configuration as a vLLM connector reads it (``vllm_config.*_config``).
 
     ``engine_config`` is kvferry's ``EngineConfig`` behind the view. ``kv_transfer_config`` is
-    kvferry's own ``KVTransferConfig`` (same names as vLLM's); ``kv_events_config`` is vLLM's
-    default (kvferry publishes no KV events).
+    kvferry's own ``KVTransferConfig`` (same names as vLLM's), ``kv_events_config`` the
+    engine's own ``KVEventsConfig``.
     """
 
     def __init__(self, engine_config: EngineConfig) -> None:
@@ -230,7 +235,6 @@ class VllmConfig(_View):
             engine_config.scheduler_config, engine_config.model_config.max_len
         )
         self.device_config = DeviceConfig(engine_config.device_config)
-        self.kv_events_config = KVEventsConfig()
         self.additional_config: dict[str, Any] = {}
 
     @classmethod
@@ -244,6 +248,10 @@ class VllmConfig(_View):
     @property
     def kv_transfer_config(self) -> KVTransferConfig | None:
         return self._wrapped.kv_transfer_config
+
+    @property
+    def kv_events_config(self) -> KVEventsConfig:
+        return self._wrapped.kv_events_config
 
     def compute_hash(self) -> str:
         return f"{self.model_config.model}:{self.cache_config.block_size}"

@@ -204,12 +204,16 @@ def test_module_level_helpers(caplog):
     assert current_platform.is_cpu() != current_platform.is_cuda()
     log = init_logger("my_connector")
     assert log.name == "kvferry.connector.my_connector"
-    stored = BlockStored([b"h"], None, [1, 2], 16, medium=MEDIUM_CPU)
+    # vLLM's constructors (lora_id, medium, lora_name and ts have no defaults there either).
+    stored = BlockStored([7], None, [1, 2], 16, None, MEDIUM_CPU, None)
     agg = KVEventAggregator(2)
-    agg.add_events([stored, BlockRemoved([b"h"])])
+    agg.add_events([stored, BlockRemoved([7], MEDIUM_CPU)])
     agg.add_events([stored])
     assert agg.get_common_events() == [stored]
-    assert KVEventBatch(events=[AllBlocksCleared()]).events == [AllBlocksCleared()]
+    assert KVEventBatch(ts=1.0, events=[AllBlocksCleared()]).events == [AllBlocksCleared()]
+    from kvferry.kv_events import BlockStored as EngineBlockStored
+
+    assert BlockStored is EngineBlockStored  # a connector builds the engine's own events
     with caplog.at_level(logging.INFO, logger="kvferry.connector.my_connector"):
         logging.getLogger("kvferry.connector.my_connector").propagate = True
         log.info("hello")

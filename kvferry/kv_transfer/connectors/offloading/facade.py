@@ -28,6 +28,9 @@ class OffloadConnectorBase(SplitConnector[OffloadingConnectorScheduler, Offloadi
 
     External hits come from host memory, or for a tiered connector with a disk tier from the
     tier each chunk is read from (the scheduler half splits them).
+
+    With the engine's KV cache events on (``kv_events_config``), ``take_events()`` reports
+    what the tiers gain and lose (host ``CPU``, disk ``STORAGE``).
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -43,6 +46,13 @@ class OffloadConnectorBase(SplitConnector[OffloadingConnectorScheduler, Offloadi
                 f"needs prefix caching; enable it (enable_prefix_caching=True) or drop the "
                 f"connector"
             )
+        events = getattr(config, "kv_events_config", None)
+        self._kv_events = bool(events is not None and events.publishes)
+
+    def set_scheduler_half(self, half: OffloadingConnectorScheduler) -> None:
+        super().set_scheduler_half(half)
+        if self._kv_events:
+            half.enable_kv_events()
 
     def check_offload_integrity(self, idle: bool = False) -> None:
         """Leak check of the offload pool (scheduler role); see

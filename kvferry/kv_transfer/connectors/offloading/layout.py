@@ -25,6 +25,8 @@ class EngineFacts:
     prefix_caching: bool
     world_size: int
     model_path: str | None
+    # The prefix-cache hash algorithm: chunk keys are block hashes, so it names the disk folder.
+    hash_algo: str = "kvferry"
 
 
 def engine_facts(config: Any) -> EngineFacts:
@@ -36,6 +38,7 @@ def engine_facts(config: Any) -> EngineFacts:
         prefix_caching=bool(getattr(cache, "enable_prefix_caching", True)),
         world_size=int(getattr(parallel, "tensor_parallel_size", 1)),
         model_path=getattr(model, "model", None),
+        hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "kvferry")),
     )
 
 
@@ -85,6 +88,7 @@ def resolve_layout(
             group.block_size,
             b,
             key,
+            facts.hash_algo,
         )
         # One folder per rank: each holds its own shard of the KV heads.
         folder = Path(opts.disk_path) / fingerprint / "rank0"

@@ -9,6 +9,9 @@ Per request there is at most one load job in flight; store jobs are one per requ
 (:class:`JobBook`): when a step reallocates one of them (the request finished or was
 preempted), the job is listed in the step's ``flush`` and the worker waits for it before the
 forward.
+
+KV cache events (:meth:`OffloadingConnectorScheduler.enable_kv_events`): the tiers announce
+and withdraw chunks block by block, host memory as ``CPU`` and the disk as ``STORAGE``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.kv_cache_config import KVCacheConfig
+from kvferry.kv_events.events import KVCacheEvent
 from kvferry.kv_transfer.base import CacheHitSource, KVConnectorStats
 from kvferry.kv_transfer.connectors.offloading.job_book import JobBook
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
@@ -33,6 +37,7 @@ from kvferry.kv_transfer.connectors.offloading.state import (
 from kvferry.kv_transfer.connectors.offloading.worker_metadata import OffloadWorkerMetadata
 from kvferry.kv_transfer.connectors.split import SchedulerHalf
 from kvferry.kv_transfer.kv_cache_view import KVCacheBlocksView
+from kvferry.kv_transfer.offload.events import ChunkEvents
 from kvferry.kv_transfer.offload.jobs import JobKind, TransferJob
 from kvferry.kv_transfer.offload.manager import LookupStatus, TieredOffloadingManager
 from kvferry.kv_transfer.offload.policies import Key, policy_class
@@ -91,8 +96,15 @@ class OffloadingConnectorScheduler(SchedulerHalf):
         self._step_allocated: set[int] = set()
         # Jobs of the last planned step that read engine blocks (tainted by a bad load).
         self._last_step_readers: list[int] = []
+        # Chunk descriptions for the tiers' KV cache events; None: events are off.
+        self.events: ChunkEvents | None = None
         if disk is not None:
             restore_disk_index(layout, disk, self.mgr)
+
+    def enable_kv_events(self) -> None:
+        """Record the tiers' KV cache events for :meth:`take_events` (off by default)."""
+        self.events = ChunkEvents(self.block_size, self.blocks_per_chunk)
+        self.mgr.events = self.events
 
     def _chunk_key(self, request: Request, chunk: int) -> Key:
         return request.block_hashes[(chunk + 1) * self.blocks_per_chunk - 1]
@@ -154,6 +166,8 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             status = self.mgr.lookup(key)
             if status is LookupStatus.MISS:
                 break
+            if self.events is not None:  # a file found at start has no description yet
+                self.events.describe(request, chunk, key)
             if status is LookupStatus.HIT or (
                 status is LookupStatus.RETRY and self.mgr.disk_loadable(key)
             ):
@@ -324,6 +338,9 @@ class OffloadingConnectorScheduler(SchedulerHalf):
         if not plan.keys and not plan.disk_only:
             return None
         chunk_of = {key: first + i for i, key in enumerate(keys)}
+        if self.events is not None:
+            for key in plan.keys + plan.disk_only:
+                self.events.describe(request, chunk_of[key], key)
         store = RequestTransfer(request.request_id)
         for key in plan.disk_only:
             store.disk_only.append((key, self._engine_blocks(record, chunk_of[key])))
@@ -373,7 +390,7 @@ class OffloadingConnectorScheduler(SchedulerHalf):
         self.mgr.release(request.request_id)
         return False, None
 
-    def take_events(self) -> list[dict[str, Any]]:
+    def take_events(self) -> list[KVCacheEvent]:
         return self.mgr.take_events()
 
     def has_pending_work(self) -> bool:
@@ -390,5 +407,10 @@ class OffloadingConnectorScheduler(SchedulerHalf):
         pinned or held (the end of a lifecycle test, once the engine stopped stepping)."""
         self.mgr.check_integrity(idle)
         self._jobs.check_integrity(idle)
+        if self.events is not None:
+            disk = self.mgr.disk
+            for key in self.events.described_keys():
+                held = key in self.mgr.host or (disk is not None and key in disk)
+                assert held, f"a description of {key.hex()[:8]} outlives its chunk"
         if idle:
             assert not self._requests, f"requests left: {sorted(self._requests)}"

@@ -1,0 +1,54 @@
+"""The events every source builds for a run of one sequence's blocks.
+
+The engine's prefix cache and the connectors' tiers describe blocks the same way, so a
+router sees one shape whatever the medium: the blocks' chained hashes in their published
+form, the parent of the first one, the blocks' own tokens, and per-block ``extra_keys`` as
+vLLM publishes them (the cache salt on the first block, None on the others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvferry.kv_events.events import BlockRemoved, BlockStored, external_block_hash
+
+# kvferry has one KV cache group; vLLM names it in every block event.
+GROUP_IDX = 0
+
+
+def blocks_stored(
+    block_hashes: Sequence[bytes],
+    token_ids: Sequence[int],
+    start: int,
+    end: int,
+    block_size: int,
+    medium: str,
+    cache_salt: str | None = None,
+) -> BlockStored:
+    """``BlockStored`` for blocks ``[start, end)`` of a sequence whose full-block hashes are
+    ``block_hashes`` and whose tokens are ``token_ids`` (both from the sequence's start)."""
+    assert 0 <= start < end <= len(block_hashes), "block run out of range"
+    extra_keys: list[tuple[Any, ...] | None] = [None] * (end - start)
+    if start == 0 and cache_salt:  # vLLM adds no key for an empty salt
+        extra_keys[0] = (cache_salt,)
+    return BlockStored(
+        block_hashes=[external_block_hash(h) for h in block_hashes[start:end]],
+        parent_block_hash=external_block_hash(block_hashes[start - 1]) if start else None,
+        token_ids=list(token_ids[start * block_size : end * block_size]),
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        extra_keys=extra_keys,
+        group_idx=GROUP_IDX,
+    )
+
+
+def blocks_removed(block_hashes: Iterable[bytes], medium: str) -> BlockRemoved:
+    """``BlockRemoved`` for blocks that ``medium`` no longer holds."""
+    return BlockRemoved(
+        block_hashes=[external_block_hash(h) for h in block_hashes],
+        medium=medium,
+        group_idx=GROUP_IDX,
+    )
