@@ -66,6 +66,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id's token string as the vocabulary spells it (``convert_ids_to_tokens``)."""
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:

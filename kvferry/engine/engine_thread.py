@@ -55,7 +55,9 @@ class EngineDeadError(RuntimeError):
 
 class StatObserver(Protocol):
     """Told, on the engine thread, about every request that ends and about each step's
-    KV-connector stats (``KVConnectorStats.data``: numbers, or lists of samples)."""
+    KV-connector stats (``KVConnectorStats.data``: numbers, or lists of samples). An observer
+    may also have ``record_step(outputs, num_scheduled_tokens, live_request_ids)``, called
+    after every step that ran (per-step metrics: tokens per step, inter-token latency)."""
 
     def record_finished(self, output: RequestOutput) -> None: ...
 
@@ -108,6 +110,7 @@ class EngineThread:
     def __init__(self, config: EngineConfig, observer: StatObserver | None) -> None:
         self.config = config
         self.observer = observer
+        self._record_step = getattr(observer, "record_step", None)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._ready = threading.Event()
@@ -279,6 +282,8 @@ class EngineThread:
         if outputs:
             self._consecutive_errors = 0
         self._collect_kv_stats(engine)
+        if self._record_step is not None:
+            self._record_step(outputs, engine.last_step_num_scheduled_tokens, self._streams)
         if timeline.enabled():
             timeline.emit("step", t0=t0, t1=time.time(), outputs=len(outputs))
         for out in outputs:

@@ -61,7 +61,11 @@ class OutputProcessor:
             prompt_token_ids=prompt_ids,
             params=params,
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-            metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(prompt_ids)),
+            metrics=RequestMetrics(
+                arrival_time=time.time(),
+                num_prompt_tokens=len(prompt_ids),
+                max_tokens_param=params.max_tokens,
+            ),
         )
 
     def abort(self, request_id: str) -> None:
@@ -100,6 +104,8 @@ class OutputProcessor:
         state.metrics.num_local_cached_tokens = out.num_local_cached_tokens
         state.metrics.num_external_cached_tokens = out.num_external_cached_tokens
         state.metrics.external_cache_hit_sources = out.external_cache_hit_sources
+        state.metrics.first_scheduled_time = out.first_scheduled_time
+        state.metrics.num_preemptions = out.num_preemptions
         state.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             state.logprobs.extend(out.new_logprobs)

@@ -102,8 +102,12 @@ def stop(instances: list[Instance], timeout: float = 15.0) -> None:
             inst.proc.wait()
 
 
+_IMPLIED = ("model_name", "engine")
+
+
 def scrape(url: str) -> dict[str, float]:
-    """``/metrics`` as ``{"name{label=value,...}": value}`` (labels sorted, no model_name)."""
+    """``/metrics`` as ``{"name{label=value,...}": value}`` (labels sorted, without the
+    ``model_name`` and ``engine`` every server series carries)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -111,7 +115,7 @@ def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in _IMPLIED)
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
@@ -135,7 +139,7 @@ def transfer_summary(metrics: dict[str, float]) -> str:
     if nbytes > 0:
         bw = f" in {secs * 1e3:.1f} ms = {nbytes / secs / 1e6:.1f} MB/s" if secs > 0 else ""
         return f"connector moved {nbytes / 1e6:.3f} MB{bw}"
-    hits = metrics.get("kvferry_external_prefix_cache_hits_total", 0.0)
+    hits = metrics.get("vllm:external_prefix_cache_hits_total", 0.0)
     per_tok = metrics.get("kvferry_kv_cache_bytes_per_token", 0.0)
     detail = f" ({', '.join(f'{k}={v:g}' for k, v in sorted(stats.items()))})" if stats else ""
     return (
@@ -257,10 +261,10 @@ def exercise(
             f"   {prompt!r} -> {via_pd['text'][:60]!r}"
         )
     d = scrape(d_url)
-    hits = d.get("kvferry_request_external_cached_tokens_total", 0.0)
-    prompt_tokens = d.get("kvferry_prompt_tokens_total", 0.0)
-    ttft_n = d.get("kvferry_time_to_first_token_seconds_count", 0.0)
-    ttft_mean = d.get("kvferry_time_to_first_token_seconds_sum", 0.0) / max(ttft_n, 1.0)
+    hits = d.get("vllm:prompt_tokens_by_source_total{source=external_kv_transfer}", 0.0)
+    prompt_tokens = d.get("vllm:prompt_tokens_total", 0.0)
+    ttft_n = d.get("vllm:time_to_first_token_seconds_count", 0.0)
+    ttft_mean = d.get("vllm:time_to_first_token_seconds_sum", 0.0) / max(ttft_n, 1.0)
     print(
         f"decode instance: {hits:.0f} of {prompt_tokens:.0f} prompt tokens came through the "
         f"connector; engine TTFT mean {ttft_mean * 1e3:.1f} ms"

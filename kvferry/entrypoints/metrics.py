@@ -1,25 +1,24 @@
 """Prometheus metrics of the OpenAI-compatible server (``/metrics``) and of the P/D proxy.
 
 Each server or proxy keeps its own ``CollectorRegistry`` (several can live in one process,
-e.g. in tests). Server metrics, all labelled ``model_name``:
+e.g. in tests). The server exports vLLM's series under vLLM's names, types, units, bucket
+families and labels (``model_name``, ``engine``), so dashboards and autoscalers built for vLLM
+read kvferry unchanged; what vLLM has no series for keeps the ``kvferry_`` prefix. The README's
+"Metrics" table maps every series to its meaning and its source in kvferry.
 
-- per request, recorded when it ends (on the engine thread): ``kvferry_requests_finished_total``
-  by ``finished_reason`` (stop, length, abort, error), ``kvferry_prompt_tokens_total``,
-  ``kvferry_generation_tokens_total``, ``kvferry_request_{local,external}_cached_tokens_total``,
-  histograms ``kvferry_time_to_first_token_seconds``, ``kvferry_time_per_output_token_seconds``
-  and ``kvferry_e2e_request_latency_seconds``;
-- engine state, read at scrape time from the engine thread's latest snapshot: requests
-  running / waiting / waiting for remote KV / held by the connector, ``kvferry_kv_cache_usage_perc``
-  (0..1), preemptions, local prefix-cache and external (connector) lookups and hits in tokens
-  with their hit rates, and every ``KVConnectorStats`` key the connector reports:
-  ``kvferry_kv_connector_total{stat=...}`` for plain numbers (summed since start) and
-  ``kvferry_kv_connector_samples_{sum,count}{stat=...}`` for lists of samples. P/D connectors
-  should report ``bytes_transferred`` and ``transfer_duration`` (seconds) so that transfer
-  bandwidth is ``bytes / duration`` (``kvferry demo pd`` prints it);
-- ``kvferry_prompt_tokens_cached_by_source_total{source=...}``: cached prompt tokens by tier,
-  ``device`` for the engine's own prefix cache and the connector's
-  ``get_external_cache_hit_sources`` tiers (``host``, ``disk``, ``p2p``,
-  ``external_unspecified``) for external hits;
+- per request, recorded when it ends (on the engine thread): ``vllm:request_success`` by
+  ``finished_reason``, prompt / generation token counters (also by source and by cache tier),
+  the per-request token histograms and the latency histograms (TTFT, e2e, queue, prefill,
+  decode, inference, time per output token);
+- per engine step (:meth:`ServerMetrics.record_step`): ``vllm:iteration_tokens_total`` and
+  ``vllm:inter_token_latency_seconds``;
+- engine state, read at scrape time from the engine thread's latest snapshot
+  (:mod:`kvferry.entrypoints.engine_metrics`): running / waiting gauges, KV cache usage,
+  preemptions, local and external (connector) prefix-cache queries and hits;
+- every ``KVConnectorStats`` key the connector reports: ``kvferry_kv_connector_total{stat=...}``
+  for plain numbers (summed since start) and ``kvferry_kv_connector_samples_{sum,count}`` for
+  lists of samples. P/D connectors should report ``bytes_transferred`` and
+  ``transfer_duration`` (seconds) so that transfer bandwidth is ``bytes / duration``;
 - whatever the connector class registers through ``build_prom_metrics`` (labels
   ``model_name`` and ``engine``), fed every step's ``KVConnectorStats.data``.
 """
@@ -27,7 +26,8 @@ e.g. in tests). Server metrics, all labelled ``model_name``:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -39,8 +39,21 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+
+from kvferry.entrypoints.engine_metrics import (
+    CACHE_HIT_SOURCES,
+    FINISH_REASONS,
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    LABELS,
+    NUM_PREEMPTIONS_BUCKETS,
+    PARAMS_N_BUCKETS,
+    PROMPT_SOURCES,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    EngineCollector,
+    request_tokens_buckets,
+)
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
@@ -51,94 +64,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series: they double the page and nobody reads them
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-FINISH_REASONS = ("stop", "length", "abort", "error")
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
-_TTFT_BUCKETS += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-_TPOT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5]
-_TPOT_BUCKETS += [0.75, 1.0, 2.5, 5.0]
-_E2E_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
-
-
-class _EngineCollector(Collector):
-    """Gauges and counters read from the engine thread's latest ``EngineSnapshot``."""
-
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot | None]) -> None:
-        self.model_name = model_name
-        self.snapshot = snapshot
-        self.bytes_per_token = 0.0
-
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=["model_name"])
-        g.add_metric([self.model_name], value)
-        return g
-
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(name, doc, labels=["model_name"])
-        c.add_metric([self.model_name], value)
-        return c
-
-    def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot()
-        if snap is None:
-            return
-        s = snap.scheduler
-        if s is not None:
-            yield self._gauge(
-                "kvferry_num_requests_running", "Requests running.", s.num_running_reqs
-            )
-            yield self._gauge(
-                "kvferry_num_requests_waiting",
-                "Requests waiting (incl. loads).",
-                s.num_waiting_reqs,
-            )
-            yield self._gauge(
-                "kvferry_num_requests_waiting_for_remote_kvs",
-                "Waiting requests whose KV a connector is loading.",
-                s.num_waiting_for_remote_kvs,
-            )
-            yield self._gauge(
-                "kvferry_num_requests_held_by_connector",
-                "Finished requests whose blocks a KV connector still holds.",
-                s.num_held_by_connector,
-            )
-            yield self._gauge(
-                "kvferry_kv_cache_usage_perc",
-                "Fraction of KV blocks in use (0..1).",
-                s.kv_cache_usage,
-            )
-            yield self._counter("kvferry_num_preemptions", "Preemptions.", s.num_preemptions)
-            yield self._counter(
-                "kvferry_prefix_cache_queries",
-                "Prefix-cache lookups, tokens.",
-                s.prefix_cache_queries,
-            )
-            yield self._counter(
-                "kvferry_prefix_cache_hits", "Prefix-cache hits, tokens.", s.prefix_cache_hits
-            )
-            yield self._gauge(
-                "kvferry_prefix_cache_hit_rate",
-                "Local prefix-cache hit rate.",
-                s.prefix_cache_hit_rate,
-            )
-            q, h = s.connector_prefix_cache_queries, s.connector_prefix_cache_hits
-            yield self._counter(
-                "kvferry_external_prefix_cache_queries",
-                "Tokens asked of the KV connector beyond the local hit.",
-                q,
-            )
-            yield self._counter(
-                "kvferry_external_prefix_cache_hits", "Tokens the KV connector provided.", h
-            )
-            yield self._gauge(
-                "kvferry_external_prefix_cache_hit_rate",
-                "External (KV connector) hit rate.",
-                h / q if q else 0.0,
-            )
-        yield self._gauge(
-            "kvferry_kv_cache_bytes_per_token",
-            "KV bytes per token (all layers).",
-            self.bytes_per_token,
-        )
+ENGINE_INDEX = "0"
+_PRUNE_EVERY_STEPS = 128
 
 
 def _bound_to(cls: type, registry: CollectorRegistry) -> type:
@@ -163,121 +90,227 @@ def build_connector_prom_metrics(
 
     connector_cls = KVConnectorFactory.get_connector_class(kvt)
     types = {c: _bound_to(c, registry) for c in (Gauge, Counter, Histogram)}
-    return connector_cls.build_prom_metrics(
-        config, types, ["model_name", "engine"], {0: [model_name, "0"]}
-    )
+    return connector_cls.build_prom_metrics(config, types, LABELS, {0: [model_name, ENGINE_INDEX]})
 
 
 class ServerMetrics:
     """The server's metrics; also the AsyncLLM's ``StatObserver`` (thread-safe)."""
 
     def __init__(self, model_name: str, config: EngineConfig | None = None) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = reg = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
-        reg = self.registry
-        self.finished = Counter(
-            "kvferry_requests_finished",
-            "Requests ended, by finish reason.",
-            ["model_name", "finished_reason"],
+        self.values = values = [model_name, ENGINE_INDEX]
+        # Token-count buckets go up to the context (configs without a model: a wide range).
+        model_config = getattr(config, "model_config", None)
+        tok_buckets = request_tokens_buckets(model_config.max_len if model_config else 1 << 20)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, LABELS, registry=reg).labels(*values)
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=reg).labels(*values)
+
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of finished requests, by finish reason.",
+            [*LABELS, "finished_reason"],
             registry=reg,
         )
         for reason in FINISH_REASONS:
-            self.finished.labels(model_name, reason)
-        self.prompt_tokens = Counter(
-            "kvferry_prompt_tokens", "Prompt tokens.", labels, registry=reg
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "kvferry_generation_tokens", "Generated tokens.", labels, registry=reg
-        ).labels(model_name)
-        self.local_cached = Counter(
-            "kvferry_request_local_cached_tokens",
-            "Prompt tokens served from the local prefix cache.",
-            labels,
+            self.success.labels(*values, reason)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source (computed, local cache hit, KV transfer).",
+            [*LABELS, "source"],
             registry=reg,
-        ).labels(model_name)
-        self.external_cached = Counter(
-            "kvferry_request_external_cached_tokens",
-            "Prompt tokens served by the KV connector.",
-            labels,
+        )
+        for source in PROMPT_SOURCES:
+            self.prompt_by_source.labels(*values, source)
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
+        self.cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Cached prompt tokens by the tier that supplied them (device: the local prefix "
+            "cache; host, disk, p2p, external_unspecified: the KV connector's tiers).",
+            [*LABELS, "source"],
             registry=reg,
-        ).labels(model_name)
-        self.ttft = Histogram(
-            "kvferry_time_to_first_token_seconds",
-            "Time to first token (arrival in the engine to first token).",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.tpot = Histogram(
-            "kvferry_time_per_output_token_seconds",
-            "Mean time per output token after the first, per request.",
-            labels,
-            buckets=_TPOT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "kvferry_e2e_request_latency_seconds",
-            "Arrival in the engine to the last token.",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
+        )
+        for source in CACHE_HIT_SOURCES:
+            self.cached_by_source.labels(*values, source)
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.req_prompt = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tok_buckets
+        )
+        self.req_generation = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", tok_buckets
+        )
+        self.req_max_generation = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of generated tokens (n = 1: the request's).",
+            tok_buckets,
+        )
+        self.params_n = hist(
+            "vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS
+        )
+        self.params_max_tokens = hist(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            tok_buckets,
+        )
+        self.prefill_computed = hist(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tok_buckets,
+        )
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self.tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        phases = {
+            "e2e_request_latency": "e2e request latency",
+            "request_queue_time": "time spent in WAITING phase for request",
+            "request_inference_time": "time spent in RUNNING phase for request",
+            "request_prefill_time": "time spent in PREFILL phase for request",
+            "request_decode_time": "time spent in DECODE phase for request",
+        }
+        self.phase = {
+            key: hist(
+                f"vllm:{key}_seconds", f"Histogram of {doc} in seconds.", REQUEST_LATENCY_BUCKETS
+            )
+            for key, doc in phases.items()
+        }
+        self.req_preemptions = hist(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            NUM_PREEMPTIONS_BUCKETS,
+        )
         self.kv_totals = Counter(
             "kvferry_kv_connector",
             "KVConnectorStats numbers, summed since start, by stat.",
-            ["model_name", "stat"],
+            [*LABELS, "stat"],
             registry=reg,
         )
         self.kv_samples = Summary(
             "kvferry_kv_connector_samples",
             "KVConnectorStats lists of samples, by stat.",
-            ["model_name", "stat"],
-            registry=reg,
-        )
-        self.cached_by_source = Counter(
-            "kvferry_prompt_tokens_cached_by_source",
-            "Cached prompt tokens by the tier that held them (device: the local prefix cache).",
-            ["model_name", "source"],
+            [*LABELS, "stat"],
             registry=reg,
         )
         self.connector_prom = (
             build_connector_prom_metrics(config, model_name, reg) if config is not None else None
         )
         self._snapshot: Callable[[], EngineSnapshot | None] = lambda: None
-        self._engine = _EngineCollector(model_name, lambda: self._snapshot())
+        self._engine = EngineCollector(model_name, ENGINE_INDEX, lambda: self._snapshot())
         reg.register(self._engine)
+        # Per request in flight: (tokens so far, when the last of them came), for the ITL.
+        self._last_token: dict[str, tuple[int, float]] = {}
+        self._steps = 0
 
-    def attach(self, snapshot: Callable[[], EngineSnapshot | None], bytes_per_token: float) -> None:
-        """Read engine state from ``snapshot()`` at scrape time."""
+    def attach(
+        self,
+        snapshot: Callable[[], EngineSnapshot | None],
+        bytes_per_token: float,
+        publisher_stats: Callable[[], Any] | None = None,
+    ) -> None:
+        """Read engine state from ``snapshot()`` (and the KV event publisher's counters from
+        ``publisher_stats()``) at scrape time."""
         self._snapshot = snapshot
         self._engine.bytes_per_token = bytes_per_token
+        if publisher_stats is not None:
+            self._engine.publisher_stats = publisher_stats
 
     # StatObserver
     def record_finished(self, output: RequestOutput) -> None:
         c = output.outputs[0] if output.outputs else None
-        self.finished.labels(self.model_name, (c and c.finish_reason) or "stop").inc()
+        self.success.labels(*self.values, (c and c.finish_reason) or "stop").inc()
+        self._last_token.pop(output.request_id, None)
         n_out = len(c.token_ids) if c is not None else 0
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        n_prompt = len(output.prompt_token_ids)
+        self.prompt_tokens.inc(n_prompt)
         self.generation_tokens.inc(n_out)
+        self.req_prompt.observe(n_prompt)
+        self.req_generation.observe(n_out)
+        self.req_max_generation.observe(n_out)
+        self.params_n.observe(1)
         m = output.metrics
         if m is None:
             return
-        self.local_cached.inc(m.num_local_cached_tokens)
-        self.external_cached.inc(m.num_external_cached_tokens)
-        if m.num_local_cached_tokens:
-            self.cached_by_source.labels(self.model_name, "device").inc(m.num_local_cached_tokens)
+        local, external = m.num_local_cached_tokens, m.num_external_cached_tokens
+        computed = max(n_prompt - local - external, 0)
+        for source, n in zip(PROMPT_SOURCES, (computed, local, external), strict=True):
+            self.prompt_by_source.labels(*self.values, source).inc(n)
+        self.prompt_cached.inc(local + external)
+        self.prefill_computed.observe(computed)
+        if local:
+            self.cached_by_source.labels(*self.values, "device").inc(local)
         for source, n in m.external_cache_hit_sources.items():
-            self.cached_by_source.labels(self.model_name, source).inc(n)
+            self.cached_by_source.labels(*self.values, source).inc(n)
+        if m.max_tokens_param:
+            self.params_max_tokens.observe(m.max_tokens_param)
+        self.req_preemptions.observe(m.num_preemptions)
+        self._record_times(m, n_out)
+
+    def _record_times(self, m: Any, n_out: int) -> None:
+        first, done, sched = m.first_token_time, m.finished_time, m.first_scheduled_time
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
-            if m.first_token_time is not None and n_out > 1:
-                self.tpot.observe((m.finished_time - m.first_token_time) / (n_out - 1))
+        if done is None:
+            return
+        self.phase["e2e_request_latency"].observe(done - m.arrival_time)
+        if sched is not None:
+            self.phase["request_queue_time"].observe(max(sched - m.arrival_time, 0.0))
+            self.phase["request_inference_time"].observe(max(done - sched, 0.0))
+            if first is not None:
+                self.phase["request_prefill_time"].observe(max(first - sched, 0.0))
+        if first is not None:
+            self.phase["request_decode_time"].observe(done - first)
+            if n_out > 1:
+                self.tpot.observe((done - first) / (n_out - 1))
 
     def record_ended(self, finish_reason: str) -> None:
-        self.finished.labels(self.model_name, finish_reason).inc()
+        self.success.labels(*self.values, finish_reason).inc()
+
+    def record_step(
+        self, outputs: list[RequestOutput], num_tokens: int, live: Collection[str]
+    ) -> None:
+        """One engine step: its scheduled tokens and the outputs it produced; ``live``: the
+        ids of the requests still in flight (aborted ones are forgotten by it)."""
+        now = time.time()
+        self.iteration_tokens.observe(num_tokens)
+        last = self._last_token
+        for out in outputs:
+            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            prev = last.get(out.request_id)
+            if prev is not None and n > prev[0]:
+                self.itl.observe(now - prev[1])
+            if out.finished:
+                last.pop(out.request_id, None)
+            elif prev is None or n > prev[0]:
+                last[out.request_id] = (n, now)
+        self._steps += 1
+        if self._steps % _PRUNE_EVERY_STEPS == 0:
+            for rid in [r for r in last if r not in live]:
+                del last[rid]
 
     def record_kv_connector_stats(self, data: dict[str, Any]) -> None:
         if self.connector_prom is not None:
@@ -287,11 +320,11 @@ class ServerMetrics:
                 logger.exception("the KV connector's Prometheus observe() failed")
         for key, value in data.items():
             if isinstance(value, list):
-                samples = self.kv_samples.labels(self.model_name, key)
+                samples = self.kv_samples.labels(*self.values, key)
                 for v in value:
                     samples.observe(float(v))
             elif isinstance(value, (int, float)) and value >= 0:
-                self.kv_totals.labels(self.model_name, key).inc(value)
+                self.kv_totals.labels(*self.values, key).inc(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -326,13 +359,13 @@ class ProxyMetrics:
         self.prefill_seconds = Histogram(
             "kvferry_proxy_prefill_seconds",
             "Round trip of the prefill request.",
-            buckets=_TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
             registry=reg,
         )
         self.ttft = Histogram(
             "kvferry_proxy_time_to_first_byte_seconds",
             "Client request to the decode instance's first response byte.",
-            buckets=_TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
             registry=reg,
         )
 

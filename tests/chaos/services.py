@@ -111,9 +111,9 @@ class Service:
             return None
         m = scrape(self.url)
         return KVState(
-            m.get("kvferry_kv_cache_usage_perc", 0.0),
-            m.get("kvferry_num_requests_running", 0.0),
-            m.get("kvferry_num_requests_waiting", 0.0),
+            m.get("vllm:kv_cache_usage_perc", 0.0),
+            m.get("vllm:num_requests_running", 0.0),
+            m.get("vllm:num_requests_waiting", 0.0),
             m.get("kvferry_num_requests_held_by_connector", 0.0),
         )
 

@@ -92,11 +92,11 @@ def test_pd_is_token_identical_and_frees_prefill_blocks(pd, offline, length, str
     assert got == want[0].outputs[0].token_ids
     p_url, d_url = pd["prefill"].url, pd["decode"].url
     if length > 16:  # a prompt shorter than one block has no full block to move
-        assert metric(d_url, "kvferry_request_external_cached_tokens_total") > 0
+        assert metric(d_url, "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}") > 0
     wait_for(
         lambda: (
             metric(p_url, "kvferry_num_requests_held_by_connector") == 0
-            and metric(p_url, "kvferry_kv_cache_usage_perc") == 0
+            and metric(p_url, "vllm:kv_cache_usage_perc") == 0
         ),
         timeout=30,
         what="the prefill instance's blocks to return to its free pool",
@@ -130,5 +130,5 @@ def test_forged_kv_transfer_params_get_400_and_hold_nothing(pd, forged) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and "kv_transfer_params" in err["message"]
-    assert metric(d_url, "kvferry_num_requests_running") == 0
-    assert metric(d_url, "kvferry_kv_cache_usage_perc") == 0
+    assert metric(d_url, "vllm:num_requests_running") == 0
+    assert metric(d_url, "vllm:kv_cache_usage_perc") == 0

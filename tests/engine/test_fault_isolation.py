@@ -251,7 +251,7 @@ async def _wait_idle(llm: AsyncLLM) -> None:
 
 def _finished_count(metrics: ServerMetrics, reason: str) -> float:
     text = metrics.render().decode()
-    pattern = rf'kvferry_requests_finished_total\{{[^}}]*finished_reason="{reason}"[^}}]*\}} (\S+)'
+    pattern = rf'vllm:request_success_total\{{[^}}]*finished_reason="{reason}"[^}}]*\}} (\S+)'
     found = re.search(pattern, text)
     return float(found.group(1)) if found else 0.0
 

@@ -102,7 +102,7 @@ def test_kv_transfer_params_round_trip_and_release(server, client, offline) -> N
     """One server plays prefill, then decode, then the release endpoint frees held blocks."""
     want = _offline_ids(offline, PROMPTS[0] * 4)
     held = lambda: metric(server.url, "kvferry_num_requests_held_by_connector")  # noqa: E731
-    usage = lambda: metric(server.url, "kvferry_kv_cache_usage_perc")  # noqa: E731
+    usage = lambda: metric(server.url, "vllm:kv_cache_usage_perc")  # noqa: E731
     prefill = {"kv_transfer_params": {"do_remote_decode": True}, **EXTRA}
     r = client.completions.create(
         model="tiny", prompt=PROMPTS[0] * 4, temperature=0.0, max_tokens=1, extra_body=prefill
@@ -112,7 +112,7 @@ def test_kv_transfer_params_round_trip_and_release(server, client, offline) -> N
     assert r.choices[0].token_ids == want[:1]
     wait_for(lambda: held() == 1, what="the prefill to hold its blocks")
     # Decode with those params (streaming): identical tokens, prompt KV from the connector.
-    hits0 = metric(server.url, "kvferry_external_prefix_cache_hits_total")
+    hits0 = metric(server.url, "vllm:external_prefix_cache_hits_total")
     events = list(
         client.completions.create(
             model="tiny",
@@ -125,7 +125,7 @@ def test_kv_transfer_params_round_trip_and_release(server, client, offline) -> N
     )
     assert [t for ev in events for t in ev.choices[0].token_ids] == want
     assert events[-1].kv_transfer_params is None
-    assert metric(server.url, "kvferry_external_prefix_cache_hits_total") > hits0
+    assert metric(server.url, "vllm:external_prefix_cache_hits_total") > hits0
     wait_for(lambda: held() == 0 and usage() == 0, what="the decode to release the prefill")
     assert metric(server.url, "kvferry_kv_connector_total", stat="bytes_transferred") > 0
     # Streaming prefill: params on the final chunk; then give them back explicitly.
@@ -202,7 +202,7 @@ def test_unknown_model_bad_key_and_open_endpoints(server, client) -> None:
 
 
 def test_client_disconnect_aborts_and_frees(server) -> None:
-    aborted = lambda: metric(server.url, "kvferry_requests_finished_total", finished_reason="abort")  # noqa: E731
+    aborted = lambda: metric(server.url, "vllm:request_success_total", finished_reason="abort")  # noqa: E731
     before = aborted()
     body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as r:
@@ -217,8 +217,8 @@ def test_client_disconnect_aborts_and_frees(server) -> None:
     wait_for(lambda: aborted() == before + 2, what="the non-streaming abort")
     wait_for(
         lambda: (
-            metric(server.url, "kvferry_num_requests_running") == 0
-            and metric(server.url, "kvferry_kv_cache_usage_perc") == 0
+            metric(server.url, "vllm:num_requests_running") == 0
+            and metric(server.url, "vllm:kv_cache_usage_perc") == 0
         ),
         what="blocks to be freed",
     )
@@ -227,19 +227,20 @@ def test_client_disconnect_aborts_and_frees(server) -> None:
 def test_metrics_names(server) -> None:
     text = httpx.get(server.url + "/metrics").text
     for name in [
-        "kvferry_requests_finished_total",
-        "kvferry_prompt_tokens_total",
-        "kvferry_generation_tokens_total",
-        "kvferry_time_to_first_token_seconds_bucket",
-        "kvferry_time_per_output_token_seconds_bucket",
-        "kvferry_e2e_request_latency_seconds_bucket",
-        "kvferry_kv_cache_usage_perc",
-        "kvferry_num_requests_running",
-        "kvferry_num_requests_waiting",
+        "vllm:request_success_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:request_time_per_output_token_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
         "kvferry_num_requests_held_by_connector",
         "kvferry_prefix_cache_hit_rate",
         "kvferry_external_prefix_cache_hit_rate",
-        "kvferry_request_external_cached_tokens_total",
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",'
+        'source="external_kv_transfer"}',
         "kvferry_kv_connector_samples_sum",
     ]:
         assert name in text, name

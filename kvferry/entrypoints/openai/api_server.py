@@ -1,7 +1,8 @@
 """``kvferry serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE streams),
-``GET /v1/models``, ``POST /v1/kv/release``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``POST /v1/kv/release``, ``GET /health``, ``GET /metrics``, and vLLM's
+``GET /version``, ``POST /tokenize``, ``POST /detokenize`` (same fields as vLLM's).
 
 ``POST /v1/kv/release`` with ``{"kv_transfer_params": {...}}`` hands params that a prefill
 instance returned back to *its* KV connector, so blocks it holds for a decode that will never
@@ -23,7 +24,7 @@ from __future__ import annotations
 import argparse
 import secrets
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,7 +51,9 @@ from kvferry.entrypoints.openai.limits import ServerLimits
 from kvferry.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     KVReleaseRequest,
+    TokenizeRequest,
     parse_body,
     validation_message,
 )
@@ -60,6 +63,7 @@ from kvferry.entrypoints.openai.serving import (
     RequestFailedError,
 )
 from kvferry.logger import init_logger
+from kvferry.version import __version__
 
 logger = init_logger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -166,6 +170,20 @@ def build_app(
     async def models() -> Response:
         return JSONResponse(serving.models())
 
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await parse(request, TokenizeRequest)
+        return JSONResponse(await serving.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await parse(request, DetokenizeRequest)
+        return JSONResponse(await serving.detokenize(body))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
@@ -183,6 +201,13 @@ def build_app(
         return JSONResponse({"released": True, "request_id": request_id})
 
     return app
+
+
+def _publisher_stats(llm: AsyncLLM) -> Any:
+    """The KV event publisher's ``PublisherStats`` (read at scrape time), None without one."""
+    publisher = llm.engine.scheduler.kv_event_publisher
+    stats = getattr(publisher, "stats", None)
+    return stats() if stats is not None else None
 
 
 def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:
@@ -206,7 +231,9 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(name, config)
     llm = AsyncLLM(config, observer=metrics, stream_interval=getattr(args, "stream_interval", 1))
     kvc = llm.engine.kv_cache_config
-    metrics.attach(lambda: llm.snapshot, kvc.bytes_per_block / kvc.block_size)
+    metrics.attach(
+        lambda: llm.snapshot, kvc.bytes_per_block / kvc.block_size, lambda: _publisher_stats(llm)
+    )
     app = build_app(llm, name, metrics, api_key, limits)
     try:
         serve_app(app, sock, args.uvicorn_log_level, limits=limits)

@@ -43,7 +43,10 @@ class UnsupportedParamError(InvalidParamError):
 
 
 class BodyError(ConfigError):
-    """The body as a whole is unreadable (not UTF-8, not JSON); no one parameter is at fault."""
+    """The body as a whole is unreadable (not UTF-8, not JSON); no one parameter is at fault
+    (``param`` is null, as the proxy reports it too)."""
+
+    param = None
 
 
 def _path(parts: tuple[Any, ...]) -> str:
@@ -296,6 +299,38 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tools:
             raise UnsupportedParamError("tools", "tool calling is not supported")
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``, as vLLM takes it: a ``prompt`` or chat ``messages`` (not both)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults: True for a prompt, False for messages (the template holds them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidParamError("prompt", "give either prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise InvalidParamError("messages", "messages must not be empty")
+        if self.continue_final_message:
+            raise UnsupportedParamError(
+                "continue_final_message", "continue_final_message is not supported"
+            )
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 class KVReleaseRequest(BaseModel):

@@ -1,5 +1,5 @@
-"""OpenAIServing: the serving logic of ``/v1/completions``, ``/v1/chat/completions`` and
-``/v1/models`` over an AsyncLLM.
+"""OpenAIServing: the serving logic of ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``/tokenize`` and ``/detokenize`` over an AsyncLLM.
 
 A handler validates the body (ConfigError -> 400) and checks the model name, then hands over
 to ``completions.py`` or ``chat.py``: prompt checks and tokenization (``intake.py``), one engine
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -27,8 +28,11 @@ from kvferry.entrypoints.openai.limits import ServerLimits
 from kvferry.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     _SamplingRequest,
 )
+from kvferry.entrypoints.openai.tokenize import serve_detokenize, serve_tokenize
 from kvferry.logger import init_logger
 
 __all__ = ["ModelNotFoundError", "OpenAIServing", "RequestFailedError"]
@@ -66,14 +70,42 @@ class OpenAIServing:
             raise ModelNotFoundError(name)
 
     def models(self) -> dict[str, Any]:
+        """vLLM's model card: ``root`` is the model folder, ``parent`` a base model (none
+        without LoRA), ``permission`` one permissive entry."""
+        created = int(time.time())
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
         card = {
             "id": self.model_name,
             "object": "model",
-            "created": int(time.time()),
+            "created": created,
             "owned_by": "kvferry",
+            "root": self.llm.config.model_config.model,
+            "parent": None,
             "max_model_len": self.llm.config.model_config.max_len,
+            "permission": [permission],
         }
         return {"object": "list", "data": [card]}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        return await serve_tokenize(body, self.intake)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        return await serve_detokenize(body, self.intake)
 
     async def create_completion(self, body: CompletionRequest) -> dict | EventStream:
         with self._release_if_rejected(body):
