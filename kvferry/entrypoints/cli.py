@@ -252,10 +252,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_proxy(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("proxy", help="prefill/decode disaggregation router")
-    p.add_argument("--prefill", nargs="+", required=True, help="prefill instance URL(s)")
-    p.add_argument("--decode", nargs="+", required=True, help="decode instance URL(s)")
+    p = sub.add_parser(
+        "proxy", help="router over instances: plain (--instance) or prefill/decode disaggregation"
+    )
+    p.add_argument(
+        "--instance", nargs="+", help="plain instance URL(s), each serving requests whole"
+    )
+    p.add_argument("--prefill", nargs="+", help="prefill instance URL(s) (P/D)")
+    p.add_argument("--decode", nargs="+", help="decode instance URL(s) (P/D)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
+    _add_routing_args(p)
     p.add_argument(
         "--upstream-api-key-file",
         default=None,
@@ -264,6 +270,70 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
     )
     _add_http_args(p, 8100)
     p.set_defaults(func=_cmd_proxy)
+
+
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing (the instance, or the prefill instance in P/D)")
+    g.add_argument(
+        "--policy",
+        choices=["round_robin", "least_loaded", "kv_aware"],
+        default="round_robin",
+        help="round_robin; least_loaded (in flight + the instances' queue depth); kv_aware "
+        "(the instance caching the longest prefix, balanced against load)",
+    )
+    g.add_argument("--tokenizer", help="kv_aware: the model folder the instances serve")
+    g.add_argument(
+        "--kv-events-endpoint",
+        nargs="+",
+        metavar="ENDPOINT",
+        help="kv_aware: each instance's KV event endpoint (its kv_events_config endpoint, "
+        "e.g. tcp://10.0.0.5:5557), in the order of the instances",
+    )
+    g.add_argument(
+        "--kv-replay-endpoint",
+        nargs="+",
+        metavar="ENDPOINT",
+        help="kv_aware: each instance's replay endpoint, same order (for gaps and restarts)",
+    )
+    g.add_argument("--kv-events-topic", default="", help="the instances' kv_events_config topic")
+    g.add_argument(
+        "--kv-hit-weight",
+        type=float,
+        default=4.0,
+        help="kv_aware: queued requests a whole-prompt cache hit is worth (default: 4)",
+    )
+    g.add_argument(
+        "--kv-index-max-blocks",
+        type=_positive_int,
+        default=200_000,
+        help="kv_aware: blocks kept in the prefix index per instance (default: 200000)",
+    )
+    g.add_argument(
+        "--kv-block-size",
+        type=_positive_int,
+        default=16,
+        help="kv_aware: block size until an instance's events tell it (default: 16)",
+    )
+    g.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=["kvferry", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
+        default=None,
+        help="kv_aware: the instances' hash algorithm, if known: hashes are recomputed too "
+        "(finds blocks announced without token ids, and salted prompts)",
+    )
+    g.add_argument(
+        "--kv-recent-ttl",
+        type=float,
+        default=10.0,
+        help="kv_aware: seconds a prompt just sent to an instance counts as cached there, "
+        "until its events arrive (0: off; default: 10)",
+    )
+    g.add_argument(
+        "--load-poll-interval",
+        type=float,
+        default=1.0,
+        help="seconds between /health and /metrics polls of each instance (default: 1)",
+    )
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:

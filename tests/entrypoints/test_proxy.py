@@ -236,13 +236,13 @@ def test_pd_answers_match_offline(pd, tiny_model_factory) -> None:
     )
     assert [t for ev in events for t in ev.choices[0].token_ids] == want[1]
     d_url, p_url = pd["decode"].url, pd["prefill"].url
-    assert metric(d_url, "kvferry_external_prefix_cache_hits_total") >= 32
+    assert metric(d_url, "vllm:external_prefix_cache_hits_total") >= 32
     assert metric(d_url, "kvferry_kv_connector_total", stat="bytes_transferred") > 0
     # The decode side released the prefill's held blocks (long before the 120 s lease).
     wait_for(
         lambda: (
             metric(p_url, "kvferry_num_requests_held_by_connector") == 0
-            and metric(p_url, "kvferry_kv_cache_usage_perc") == 0
+            and metric(p_url, "vllm:kv_cache_usage_perc") == 0
         ),
         what="the prefill's blocks to be released",
     )
@@ -273,7 +273,7 @@ def test_decode_down_gives_503_and_frees_prefill_blocks(pd) -> None:
     wait_for(
         lambda: (
             metric(p_url, "kvferry_num_requests_held_by_connector") == 0
-            and metric(p_url, "kvferry_kv_cache_usage_perc") == 0
+            and metric(p_url, "vllm:kv_cache_usage_perc") == 0
         ),
         what="the prefill's blocks to be released",
     )

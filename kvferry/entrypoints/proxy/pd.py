@@ -1,8 +1,9 @@
-"""``kvferry proxy``: the prefill/decode (P/D) router in front of kvferry servers.
+"""PDProxy: the prefill/decode (P/D) flow.
 
 For each ``/v1/completions`` or ``/v1/chat/completions`` request:
 
-1. pick a prefill instance (round robin) and send it the body with
+1. pick a prefill instance (round robin, or the ``--policy``: kv_aware sends a prompt to the
+   prefill instance that already holds its prefix) and send it the body with
    ``kv_transfer_params = {"do_remote_decode": true, ...}``, ``max_tokens = 1`` and
    ``stream = false``; its KV connector keeps the prompt's KV and returns, in the response's
    top-level ``kv_transfer_params``, where a decode instance can fetch it;
@@ -16,44 +17,35 @@ or broke off mid-stream), the proxy sends the prefill's ``kv_transfer_params`` b
 prefill instance's ``POST /v1/kv/release`` so its held blocks are freed now. It does not do so
 when the client disconnects or a read times out: the decode instance may still be reading those
 blocks; it aborts the request itself, and the connector's lease frees the prefill side.
-``/health`` checks every instance; ``/metrics`` has the proxy's own counters.
-
-Upstream authentication: with ``--upstream-api-key-file FILE`` every call to an instance
-(prefill, decode, release, models) carries ``Authorization: Bearer <the file's content>``
-instead of whatever the client sent, so the instances' ``--api-key`` also covers the proxy's
-releases. Without it the client's ``Authorization`` header is passed on as is.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
-import json
 import time
-import uuid
 from collections.abc import AsyncGenerator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvferry.config import ConfigError
-from kvferry.entrypoints.metrics import CONTENT_TYPE, ProxyMetrics
 from kvferry.entrypoints.openai.http_utils import (
-    BodyLimitMiddleware,
     EventStream,
     SSEResponse,
     error_body,
-    listen_socket,
-    read_api_key_file,
-    serve_app,
     sse,
-    unless_disconnected,
 )
-from kvferry.entrypoints.openai.limits import ServerLimits
+from kvferry.entrypoints.proxy.common import (
+    NOT_SENT,
+    ProxyBase,
+    UpstreamError,
+    error,
+    normalize_url,
+    upstream_message,
+)
+from kvferry.entrypoints.proxy.router import Router
 from kvferry.logger import fmt_fields, init_logger
 
 logger = init_logger(__name__)
@@ -66,108 +58,68 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-# The decode instance certainly did not get (or is done with) the request: release is safe.
-_NOT_SENT = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.WriteError,
-    httpx.RemoteProtocolError,
-)
 
 
-def normalize_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if not url:
-        raise ConfigError("an instance URL must not be empty")
-    return url if "://" in url else f"http://{url}"
-
-
-def _error(status: int, message: str, err_type: str) -> JSONResponse:
-    return JSONResponse(error_body(message, err_type, None, status), status_code=status)
-
-
-def _message(resp_body: bytes) -> str:
-    try:
-        return str(json.loads(resp_body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return resp_body[:200].decode(errors="replace")
-
-
-class _UpstreamError(Exception):
-    def __init__(self, response: Response) -> None:
-        self.response = response
-
-
-class PDProxy:
+class PDProxy(ProxyBase):
     def __init__(
         self,
         prefill: list[str],
         decode: list[str],
         timeout: float = 600.0,
         upstream_api_key: str | None = None,
+        router: Router | None = None,
     ) -> None:
         if not prefill or not decode:
             raise ConfigError("the proxy needs at least one --prefill and one --decode URL")
-        self._upstream_auth = f"Bearer {upstream_api_key}" if upstream_api_key else None
+        super().__init__(timeout, upstream_api_key)
         self.prefill = [normalize_url(u) for u in prefill]
         self.decode = [normalize_url(u) for u in decode]
         self._next_p = itertools.cycle(self.prefill)
         self._next_d = itertools.cycle(self.decode)
-        self.timeout = timeout
-        self.metrics = ProxyMetrics()
-        self.client: httpx.AsyncClient | None = None
+        # Without a router: plain round robin over the prefill instances, nothing polled.
+        self.router = router
         self._background: set[asyncio.Future[bool]] = set()
         self._warned_no_params = False
 
-    def upstream_authorization(self, request: Request) -> str | None:
-        """The Authorization header for calls to the instances on behalf of ``request``."""
-        return self._upstream_auth or request.headers.get("authorization")
+    def all_instances(self) -> list[str]:
+        return self.prefill + self.decode
 
-    def _http(self) -> httpx.AsyncClient:
-        if self.client is None:
-            # trust_env=False: instances are reached directly, never through an HTTP proxy.
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self.client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout, connect=5.0), limits=limits, trust_env=False
-            )
-        return self.client
+    def models_instance(self) -> str:
+        return self.decode[0]
+
+    async def start(self) -> None:
+        if self.router is not None:
+            self.router.start(self._http())
 
     async def close(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        if self.client is not None:
-            await self.client.aclose()
+        if self.router is not None:
+            await self.router.close()
+        await super().close()
 
     # -- the P/D flow ---------------------------------------------------------------------------
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            return _error(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
-        headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
-        if auth := self.upstream_authorization(request):
-            headers["Authorization"] = auth
-        finished, result = await unless_disconnected(
-            request, self._route(body, endpoint, headers, time.perf_counter())
-        )
-        if not finished or result is None:
-            self.metrics.requests.labels(endpoint, "disconnected").inc()
-            return Response(status_code=499)
-        return result
+    async def _pick_prefill(self, body: dict[str, Any], endpoint: str) -> str:
+        if self.router is None:
+            return next(self._next_p)
+        prompt = await self.router.prompt(body, endpoint)
+        return self.router.choose(prompt).url
 
     async def _route(
         self, body: dict[str, Any], endpoint: str, headers: dict[str, str], t0: float
     ) -> Response:
-        p_url, d_url = next(self._next_p), next(self._next_d)
+        p_url, d_url = await self._pick_prefill(body, endpoint), next(self._next_d)
+        if self.router is not None:
+            self.router.loads.begin(p_url)
         try:
             kv_params = await self._prefill(p_url, body, endpoint, headers)
-        except _UpstreamError as e:
+        except UpstreamError as e:
             self.metrics.requests.labels(endpoint, "prefill_error").inc()
             return e.response
+        finally:
+            if self.router is not None:
+                self.router.loads.end(p_url)
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         d_body = dict(body)
         if kv_params is not None:
@@ -181,13 +133,11 @@ class PDProxy:
             self.metrics.requests.labels(endpoint, "decode_error").inc()
             if release:
                 self._release_later(p_url, kv_params, headers)
-            return _error(
-                status, message, "service_unavailable" if status == 503 else "bad_gateway"
-            )
+            return error(status, message, "service_unavailable" if status == 503 else "bad_gateway")
 
         try:
             resp = await http.send(req, stream=True)
-        except _NOT_SENT as e:
+        except NOT_SENT as e:
             return fail(503, f"decode instance {d_url} is unreachable: {e!r}")
         except httpx.HTTPError as e:  # e.g. a read timeout: it may still be reading the KV
             return fail(504, f"decode instance {d_url} did not answer: {e!r}", release=False)
@@ -198,7 +148,10 @@ class PDProxy:
                 self.metrics.requests.labels(endpoint, "client_error").inc()
                 self._release_later(p_url, kv_params, headers)
                 return Response(content, resp.status_code, media_type="application/json")
-            msg = f"decode instance {d_url} failed (HTTP {resp.status_code}): {_message(content)}"
+            msg = (
+                f"decode instance {d_url} failed (HTTP {resp.status_code}): "
+                f"{upstream_message(content)}"
+            )
             return fail(502, msg)
         self.metrics.ttft.observe(time.perf_counter() - t0)
         if not stream:
@@ -228,29 +181,32 @@ class PDProxy:
             resp = await self._http().post(p_url + endpoint, json=p_body, headers=headers)
         except httpx.TimeoutException as e:
             self.metrics.upstream_errors.labels("prefill", p_url).inc()
-            raise _UpstreamError(
-                _error(503, f"prefill instance {p_url} timed out: {e!r}", "service_unavailable")
+            raise UpstreamError(
+                error(503, f"prefill instance {p_url} timed out: {e!r}", "service_unavailable")
             ) from None
         except httpx.HTTPError as e:
             self.metrics.upstream_errors.labels("prefill", p_url).inc()
-            raise _UpstreamError(
-                _error(
-                    503, f"prefill instance {p_url} is unreachable: {e!r}", "service_unavailable"
-                )
+            if self.router is not None and isinstance(e, NOT_SENT):
+                self.router.loads.mark_down(p_url)
+            raise UpstreamError(
+                error(503, f"prefill instance {p_url} is unreachable: {e!r}", "service_unavailable")
             ) from None
         if 400 <= resp.status_code < 500:
-            raise _UpstreamError(
+            raise UpstreamError(
                 Response(resp.content, resp.status_code, media_type="application/json")
             )
         if resp.status_code != 200:
             self.metrics.upstream_errors.labels("prefill", p_url).inc()
-            msg = f"prefill instance {p_url} failed (HTTP {resp.status_code}): {_message(resp.content)}"
-            raise _UpstreamError(_error(502, msg, "bad_gateway"))
+            msg = (
+                f"prefill instance {p_url} failed (HTTP {resp.status_code}): "
+                f"{upstream_message(resp.content)}"
+            )
+            raise UpstreamError(error(502, msg, "bad_gateway"))
         try:
             params = resp.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
-            raise _UpstreamError(
-                _error(502, f"prefill instance {p_url} sent a malformed answer", "bad_gateway")
+            raise UpstreamError(
+                error(502, f"prefill instance {p_url} sent a malformed answer", "bad_gateway")
             ) from None
         if not isinstance(params, dict):
             if not self._warned_no_params:
@@ -315,82 +271,3 @@ class PDProxy:
             )
         self.metrics.releases.labels("ok" if ok else "failed").inc()
         return ok
-
-    async def health(self) -> Response:
-        async def probe(url: str) -> tuple[str, bool]:
-            try:
-                r = await self._http().get(url + "/health", timeout=3.0)
-                return url, r.status_code == 200
-            except httpx.HTTPError:
-                return url, False
-
-        urls = list(dict.fromkeys(self.prefill + self.decode))
-        results = dict(await asyncio.gather(*(probe(u) for u in urls)))
-        down = [u for u, ok in results.items() if not ok]
-        if down:
-            return _error(503, f"instances down: {', '.join(down)}", "service_unavailable")
-        return JSONResponse({"status": "ok", "instances": results})
-
-
-def build_proxy_app(proxy: PDProxy, limits: ServerLimits | None = None) -> FastAPI:
-    """The proxy's app; clients get the same body size and read-time limits as ``serve``."""
-    limits = limits or ServerLimits()
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
-        yield
-        await proxy.close()
-
-    app = FastAPI(title="kvferry proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(
-        BodyLimitMiddleware,
-        max_bytes=limits.max_request_body_bytes,
-        timeout_s=limits.body_read_timeout,
-    )
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> Response:
-        logger.exception("proxy error")
-        return _error(500, f"proxy error: {type(exc).__name__}: {exc}", "internal_server_error")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        headers = {"Authorization": a} if (a := proxy.upstream_authorization(request)) else {}
-        url = proxy.decode[0]
-        try:
-            r = await proxy._http().get(url + "/v1/models", headers=headers, timeout=10.0)
-        except httpx.HTTPError as e:
-            return _error(
-                503, f"decode instance {url} is unreachable: {e!r}", "service_unavailable"
-            )
-        return Response(r.content, r.status_code, media_type="application/json")
-
-    @app.get("/health")
-    async def health() -> Response:
-        return await proxy.health()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(proxy.metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
-
-
-def run_proxy(args: argparse.Namespace) -> int:
-    key_file = getattr(args, "upstream_api_key_file", None)
-    key = read_api_key_file(key_file, "upstream API key file") if key_file else None
-    proxy = PDProxy(args.prefill, args.decode, timeout=args.timeout, upstream_api_key=key)
-    sock = listen_socket(args.host, args.port, "kvferry proxy")
-    logger.info(fmt_fields("proxy", prefill=",".join(proxy.prefill), decode=",".join(proxy.decode)))
-    limits = ServerLimits()
-    app = build_proxy_app(proxy, limits)
-    serve_app(app, sock, args.uvicorn_log_level, lifespan="on", limits=limits)
-    return 0

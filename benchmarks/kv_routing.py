@@ -1,0 +1,273 @@
+"""KV-aware routing: round_robin vs kv_aware over three instances, and what events cost.
+
+Two parts:
+
+1. **Routing**: three ``kvferry serve`` instances publishing KV events, behind two proxies
+   over the same instances, ``--policy round_robin`` and ``--policy kv_aware``. A round is a
+   shared-prefix workload: ``--systems`` system prompts of ``--system-len`` tokens, each
+   request one of them plus a user part of its own, sent at ``--rate`` requests per second
+   (Poisson arrivals, streamed). Rounds alternate between the policies, each with system
+   prompts of its own (so every round starts cold and neither policy inherits the other's
+   cache). Reported per policy: mean and p90 TTFT and the prefix hit rate (cached prompt
+   tokens the instances report / prompt tokens), beside the ideal hit rate (each system
+   prompt computed once, in full blocks). Targets: kv_aware mean TTFT <= 0.5x round_robin's,
+   hit rate >= 80% of the ideal.
+2. **Events cost**: one instance with events on and one with them off, bursts of
+   ``--concurrency`` fresh shared-prefix prompts sent to one and then the other (order
+   alternating); output tokens/s and the median of the per-pair ratios (target: <= 1% loss).
+
+    .venv/bin/python benchmarks/kv_routing.py            # defaults: several minutes
+    .venv/bin/python benchmarks/kv_routing.py --quick    # smoke run, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness.cli import fill_quick_defaults, log
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.models import get_model, model_vocab_size
+from benchmarks.harness.prompts import random_tokens
+from benchmarks.harness.results import result_path, run_header, write_json
+from benchmarks.harness.serving import serve_env, stream_completion
+from benchmarks.harness.timing import alternating
+from kvferry.entrypoints.demo import Instance, start, stop, wait_healthy, wait_listening
+
+FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "2048"]
+BLOCK = 16
+POLICIES = ("round_robin", "kv_aware")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_instance(name: str, model: Path, logs: Path, events: bool) -> tuple[Instance, dict]:
+    argv = ["serve", str(model), "--port", "0", "--served-model-name", "m", *FLAGS]
+    cfg: dict[str, Any] = {}
+    if events:
+        cfg = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://127.0.0.1:{_free_port()}",
+            "replay_endpoint": f"tcp://127.0.0.1:{_free_port()}",
+        }
+        argv += ["--kv-events-config", json.dumps(cfg)]
+    return start(name, argv, logs, env=serve_env()), cfg
+
+
+def start_proxy(
+    policy: str, model: Path, logs: Path, insts: list[tuple[Instance, dict]]
+) -> Instance:
+    argv = ["proxy", "--port", "0", "--policy", policy, "--instance", *(i.url for i, _ in insts)]
+    if policy == "kv_aware":
+        argv += ["--tokenizer", str(model), "--load-poll-interval", "0.5"]
+        argv += ["--kv-events-endpoint", *(c["endpoint"] for _, c in insts)]
+        argv += ["--kv-replay-endpoint", *(c["replay_endpoint"] for _, c in insts)]
+    return start(f"proxy-{policy}", argv, logs, env=serve_env())
+
+
+def request(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    """One streamed greedy completion: TTFT, and the prompt / cached tokens from the usage."""
+    import httpx
+
+    body = {
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    out = {"ttft": float("nan"), "prompt": float(len(prompt)), "cached": 0.0}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("choices") and out["ttft"] != out["ttft"]:
+                out["ttft"] = time.perf_counter() - t0
+            usage = chunk.get("usage")
+            if usage:
+                out["cached"] = float(
+                    (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                )
+    return out
+
+
+def workload(args: argparse.Namespace, vocab: int, seed: int) -> tuple[list[list[int]], float]:
+    """The round's prompts (in arrival order) and its ideal cached tokens."""
+    rng = random.Random(f"kv-routing-{seed}")
+    systems = [random_tokens(rng, args.system_len, vocab) for _ in range(args.systems)]
+    prompts, seen, ideal = [], set(), 0.0
+    for _ in range(args.requests):
+        s = rng.randrange(args.systems)
+        prompts.append(systems[s] + random_tokens(rng, args.user_len, vocab))
+        if s in seen:
+            ideal += (args.system_len // BLOCK) * BLOCK
+        seen.add(s)
+    return prompts, ideal
+
+
+def run_round(
+    url: str, prompts: list[list[int]], args: argparse.Namespace, seed: int
+) -> list[dict]:
+    """Send ``prompts`` at ``args.rate`` per second (Poisson arrivals); all results."""
+    rng = random.Random(f"arrivals-{seed}")
+    with ThreadPoolExecutor(max(8, int(args.rate * 8))) as pool:
+        futures = []
+        for p in prompts:
+            futures.append(pool.submit(request, url, p, args.max_tokens))
+            time.sleep(rng.expovariate(args.rate))
+        return [f.result() for f in futures]
+
+
+def p90(values: list[float]) -> float:
+    return sorted(values)[max(0, int(round(0.9 * len(values))) - 1)]
+
+
+def routing_part(args: argparse.Namespace, model: Path, logs: Path, vocab: int) -> dict[str, Any]:
+    insts = [start_instance(f"serve{i}", model, logs, events=True) for i in range(3)]
+    procs = [i for i, _ in insts]
+    try:
+        for inst in procs:
+            wait_listening(inst)
+        proxies = {p: start_proxy(p, model, logs, insts) for p in POLICIES}
+        procs += list(proxies.values())
+        for inst in procs:
+            wait_healthy(wait_listening(inst), inst=inst)
+        per: dict[str, dict[str, list[float]]] = {
+            p: {"ttft": [], "prompt": [], "cached": [], "ideal": []} for p in POLICIES
+        }
+        for r in range(args.rounds):
+            for j, policy in enumerate(alternating(POLICIES, r)):
+                seed = 2 * r + j
+                prompts, ideal = workload(args, vocab, seed)
+                log(f"round {r + 1}/{args.rounds}: {policy}, {len(prompts)} requests")
+                results = run_round(proxies[policy].url, prompts, args, seed)
+                for key in ("ttft", "prompt", "cached"):
+                    per[policy][key] += [x[key] for x in results]
+                per[policy]["ideal"].append(ideal)
+        return per
+    finally:
+        stop(procs)
+
+
+def _burst(url: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """Output tokens per second of ``prompts`` sent all at once."""
+    outs: list[dict[str, Any]] = [{} for _ in prompts]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        args = [(url, p, max_tokens, o) for p, o in zip(prompts, outs, strict=True)]
+        list(pool.map(lambda a: stream_completion(*a), args))
+    return sum(o["tokens"] for o in outs) / (time.perf_counter() - t0)
+
+
+def events_part(
+    args: argparse.Namespace, model: Path, logs: Path, vocab: int
+) -> dict[str, list[float]]:
+    insts = {"on": start_instance("events-on", model, logs, True)[0],
+             "off": start_instance("events-off", model, logs, False)[0]}  # fmt: skip
+    try:
+        for inst in insts.values():
+            wait_healthy(wait_listening(inst), inst=inst)
+        rng = random.Random("events-cost")
+        shared = random_tokens(rng, args.system_len, vocab)
+        tput: dict[str, list[float]] = {"on": [], "off": []}
+        for i in range(args.bursts):
+            burst = [shared[: rng.randrange(BLOCK, args.system_len)] + random_tokens(rng, 256, vocab)
+                     for _ in range(args.concurrency)]  # fmt: skip
+            for mode in alternating(("off", "on"), i):
+                tput[mode].append(_burst(insts[mode].url, burst, args.max_tokens))
+        return tput
+    finally:
+        stop(list(insts.values()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--quick", action="store_true", help="smoke run with tiny settings")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per policy")
+    ap.add_argument("--requests", type=int, default=None, help="requests per round")
+    ap.add_argument("--rate", type=float, default=None, help="requests per second")
+    ap.add_argument("--systems", type=int, default=4, help="shared system prompts per round")
+    ap.add_argument("--system-len", type=int, default=None, help="tokens per system prompt")
+    ap.add_argument("--user-len", type=int, default=64, help="tokens of each user part")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--bursts", type=int, default=None, help="events on/off pairs")
+    ap.add_argument("--concurrency", type=int, default=4)
+    args = ap.parse_args()
+    fill_quick_defaults(
+        args, rounds=(1, 3), requests=(12, 80), rate=(3.0, 4.0), system_len=(256, 1024),
+        bursts=(2, 20),
+    )  # fmt: skip
+    model = get_model(args.model)
+    vocab = model_vocab_size(model)
+    logs = Path(tempfile.mkdtemp(prefix="kvferry-kv-routing-"))
+    per = routing_part(args, model, logs, vocab)
+    tput = events_part(args, model, logs, vocab)
+    ratios = [b / a for a, b in zip(tput["off"], tput["on"], strict=True)]
+    summary = {
+        p: {
+            "ttft_mean_s": statistics.fmean(v["ttft"]),
+            "ttft_p90_s": p90(v["ttft"]),
+            "hit_rate": sum(v["cached"]) / sum(v["prompt"]),
+            "ideal_hit_rate": sum(v["ideal"]) / sum(v["prompt"]),
+        }
+        for p, v in per.items()
+    }
+    result = {
+        **run_header(), "model": model.name, "args": vars(args), "routing": summary,
+        "events_tokens_per_s_median": {m: statistics.median(v) for m, v in tput.items()},
+        "events_on_off_ratio_median": statistics.median(ratios),
+        "raw": {"routing": per, "events_tokens_per_s": tput},
+    }  # fmt: skip
+    out = write_json(result_path("kv_routing", args.quick), result)
+    print(report(result, args))
+    print(f"results: {out}")
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    s = result["routing"]
+    rows = []
+    for p in POLICIES:
+        r = s[p]
+        rows.append([p, f"{1000 * r['ttft_mean_s']:.1f}", f"{1000 * r['ttft_p90_s']:.1f}",
+                     f"{100 * r['hit_rate']:.1f}%", f"{100 * r['ideal_hit_rate']:.1f}%",
+                     f"{100 * r['hit_rate'] / r['ideal_hit_rate']:.0f}%" if r["ideal_hit_rate"] else "-"])  # fmt: skip
+    ratio = s["kv_aware"]["ttft_mean_s"] / s["round_robin"]["ttft_mean_s"]
+    table = markdown_table(
+        ["policy", "TTFT mean (ms)", "TTFT p90 (ms)", "prefix hit rate", "ideal", "of ideal"], rows
+    )
+    ev = result["events_tokens_per_s_median"]
+    ev_table = markdown_table(
+        ["events", "tok/s (median)", "on / off, median of pairs"],
+        [["off", f"{ev['off']:.1f}", ""],
+         ["on", f"{ev['on']:.1f}", f"{100 * (result['events_on_off_ratio_median'] - 1):+.1f}%"]],
+    )  # fmt: skip
+    return (
+        f"## KV-aware routing, 3 instances ({result['model']}, fp32; {args.systems} system "
+        f"prompts of {args.system_len} tokens + {args.user_len}-token user parts, "
+        f"{args.rate:g} req/s, {args.requests} requests x {args.rounds} round(s) per policy)\n\n"
+        f"{table}\n\nkv_aware / round_robin mean TTFT: {ratio:.2f}x (target <= 0.5x)\n\n"
+        f"## KV events on vs off, one instance ({args.bursts} pairs of {args.concurrency}-request "
+        f"bursts, {args.max_tokens} output tokens)\n\n{ev_table}"
+    )
+
+
+if __name__ == "__main__":
+    main()

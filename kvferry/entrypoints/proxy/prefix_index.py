@@ -1,0 +1,205 @@
+"""PrefixIndex: which instance holds which prompt prefix, in which tier, learned from KV events.
+
+Per instance it keeps the blocks announced by ``BlockStored`` (with the media holding each
+one) until ``BlockRemoved`` / ``AllBlocksCleared`` take them away. A request is matched by
+walking its token blocks from the first: block ``i`` is found through the token ids and the
+parent hash the events carried (``(parent, tokens) -> hash``), which works whatever hash
+algorithm and seed the instance uses; when the proxy knows the algorithm it also recomputes
+the hashes, which finds blocks announced without token ids (placeholder events of some
+connector tiers) and salted prompts. The walk stops at the first block the instance lacks.
+
+Memory is bounded: at most ``max_blocks`` blocks per instance, the least recently stored or
+matched dropped first (a dropped entry only costs a missed routing hint). Thread-safe: the
+event thread writes while request handlers read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvferry.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEventBatch,
+)
+
+# Routing value of a block by where it lives: the engine pool serves it at once, host memory
+# after a copy, disk or a remote store after a slower read.
+TIER_WEIGHTS: dict[str, float] = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.5, MEDIUM_STORAGE: 0.25}
+_BITS = {MEDIUM_GPU: 1, MEDIUM_CPU: 2, MEDIUM_STORAGE: 4}
+_BIT_WEIGHTS = {bit: TIER_WEIGHTS[m] for m, bit in _BITS.items()}
+
+TokenKey = tuple[ExternalBlockHash | None, tuple[int, ...]]
+
+
+def medium_bit(medium: str | None) -> int:
+    # No medium: vLLM's block pool before tiers existed, i.e. the engine pool. An unknown tier
+    # ranks with the slowest one.
+    if medium is None:
+        return _BITS[MEDIUM_GPU]
+    return _BITS.get(medium.upper(), _BITS[MEDIUM_STORAGE])
+
+
+def best_weight(media: int) -> float:
+    return max((w for bit, w in _BIT_WEIGHTS.items() if media & bit), default=0.0)
+
+
+@dataclass(slots=True)
+class _Block:
+    key: TokenKey | None
+    media: int = 0
+
+
+@dataclass
+class _Instance:
+    blocks: OrderedDict[ExternalBlockHash, _Block] = field(default_factory=OrderedDict)
+    by_tokens: dict[TokenKey, ExternalBlockHash] = field(default_factory=dict)
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest indexed prefix of a prompt on one instance."""
+
+    blocks: int = 0
+    tokens: int = 0
+    # Tokens weighted by the best tier holding each block (TIER_WEIGHTS).
+    weighted_tokens: float = 0.0
+
+
+NO_MATCH = Match()
+# Recomputed hashes of a prompt's blocks for one block size (both published forms).
+HashLookup = Sequence[tuple[ExternalBlockHash, ...]]
+
+
+class PrefixIndex:
+    def __init__(self, max_blocks: int = 200_000) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be at least 1")
+        self.max_blocks = max_blocks
+        self._lock = threading.Lock()
+        self._instances: dict[str, _Instance] = {}
+
+    # -- writing (the event thread) -----------------------------------------------------------
+
+    def apply(self, instance: str, batch: KVEventBatch) -> None:
+        with self._lock:
+            inst = self._instances.setdefault(instance, _Instance())
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    self._stored(inst, ev)
+                elif isinstance(ev, BlockRemoved):
+                    self._removed(inst, ev)
+                elif isinstance(ev, AllBlocksCleared):
+                    inst.blocks.clear()
+                    inst.by_tokens.clear()
+
+    def drop(self, instance: str) -> None:
+        """Forget everything ``instance`` announced (it restarted, or events were lost)."""
+        with self._lock:
+            self._instances.pop(instance, None)
+
+    def _stored(self, inst: _Instance, ev: BlockStored) -> None:
+        # Only the full-attention group of a non-LoRA model is routable by prompt tokens.
+        if ev.group_idx not in (None, 0) or ev.lora_id is not None:
+            return
+        bs, tokens, bit = ev.block_size, ev.token_ids, medium_bit(ev.medium)
+        with_tokens = bs > 0 and len(tokens) == bs * len(ev.block_hashes)
+        if with_tokens:
+            inst.block_size = bs
+        parent = ev.parent_block_hash
+        for i, h in enumerate(ev.block_hashes):
+            # A block with extra keys (salt, LoRA) must not match a plain prompt's tokens.
+            extra = ev.extra_keys[i] if ev.extra_keys and i < len(ev.extra_keys) else None
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs])) if with_tokens else None
+            if extra is not None:
+                key = None
+            block = inst.blocks.get(h)
+            if block is None:
+                block = inst.blocks[h] = _Block(key)
+            else:
+                inst.blocks.move_to_end(h)
+                block.key = block.key or key
+            block.media |= bit
+            if key is not None:
+                inst.by_tokens[key] = h
+            parent = h
+        while len(inst.blocks) > self.max_blocks:
+            h, old = inst.blocks.popitem(last=False)
+            self._unlink(inst, h, old)
+
+    def _removed(self, inst: _Instance, ev: BlockRemoved) -> None:
+        if ev.group_idx not in (None, 0):
+            return
+        bit = medium_bit(ev.medium)
+        for h in ev.block_hashes:
+            block = inst.blocks.get(h)
+            if block is None:
+                continue
+            block.media &= ~bit
+            if not block.media:
+                del inst.blocks[h]
+                self._unlink(inst, h, block)
+
+    @staticmethod
+    def _unlink(inst: _Instance, h: ExternalBlockHash, block: _Block) -> None:
+        if block.key is not None and inst.by_tokens.get(block.key) == h:
+            del inst.by_tokens[block.key]
+
+    # -- reading (request handlers) -----------------------------------------------------------
+
+    def block_size(self, instance: str) -> int | None:
+        inst = self._instances.get(instance)
+        return inst.block_size if inst else None
+
+    def size(self, instance: str) -> int:
+        inst = self._instances.get(instance)
+        return len(inst.blocks) if inst else 0
+
+    def match(
+        self,
+        instance: str,
+        token_ids: Sequence[int],
+        block_size: int | None = None,
+        hashes: HashLookup | None = None,
+        use_tokens: bool = True,
+    ) -> Match:
+        """The longest prefix of ``token_ids`` that ``instance`` holds.
+
+        ``block_size`` defaults to the one its events carried; ``hashes[i]`` are the
+        recomputed forms of block ``i``'s hash (optional); ``use_tokens=False`` skips the
+        token walk (a salted prompt, which only recomputed hashes can match).
+        """
+        with self._lock:
+            inst = self._instances.get(instance)
+            if inst is None or not inst.blocks:
+                return NO_MATCH
+            bs = block_size or inst.block_size
+            if not bs:
+                return NO_MATCH
+            parent: ExternalBlockHash | None = None
+            n, weighted = 0, 0.0
+            for i in range(len(token_ids) // bs):
+                block, h = None, None
+                if use_tokens:
+                    h = inst.by_tokens.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+                    block = inst.blocks.get(h) if h is not None else None
+                if block is None and hashes is not None and i < len(hashes):
+                    for h in hashes[i]:
+                        if (block := inst.blocks.get(h)) is not None:
+                            break
+                if block is None or h is None:
+                    break
+                inst.blocks.move_to_end(h)
+                n += 1
+                weighted += best_weight(block.media) * bs
+                parent = h
+            return Match(n, n * bs, weighted) if n else NO_MATCH
