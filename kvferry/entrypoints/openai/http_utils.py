@@ -262,8 +262,12 @@ def listen_socket(host: str, port: int, what: str) -> socket.socket:
     ``WHAT listening on http://HOST:PORT`` (connections wait in the backlog until served)."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections of a socket
+        # whose proto says TCP. Without it Nagle's algorithm holds a response's body behind
+        # its headers until the client's delayed ACK (~40 ms on every non-streamed answer).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(128)
     except (OSError, OverflowError) as e:
