@@ -197,9 +197,10 @@ def report(doc: dict[str, Any], write_docs: bool, quick: bool) -> str:
     agg = aggregate(doc["runs"])
     m = doc["machine"]
     s = doc["settings"]
-    parts = [
-        f"### Online serving{' (smoke run)' if quick else ''}",
-        "",
+    # The full report goes under the page's "Online serving: details" heading; a smoke run's
+    # block sits among the smoke runs and needs its own.
+    parts = ["### Online serving (smoke run)", ""] if quick else []
+    parts += [
         f"`{doc['command']}` on {m.get('cpu_model', '?')} ({m.get('cpu_count')} cores, "
         f"{', '.join(m.get('isa', [])) or 'no AVX2'}), {doc['date']}, git {m.get('git_commit', '?')}, "
         f"vLLM CPU {doc.get('vllm_version') or '?'}. Load generator: `vllm bench serve` "
