@@ -70,3 +70,9 @@ def kv_secret_file() -> str | None:
 def api_key() -> str | None:
     """KVFERRY_API_KEY: the API key of ``kvferry serve`` when neither flag gives one."""
     return os.environ.get("KVFERRY_API_KEY") or None
+
+
+def malloc_tuning() -> bool:
+    """KVFERRY_MALLOC_TUNING=0 keeps glibc's default malloc thresholds (see
+    ``kvferry.worker.malloc_tuning``; default: fixed thresholds in the engine process)."""
+    return _flag("KVFERRY_MALLOC_TUNING", default=True)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvferry import envs
 from kvferry.logger import fmt_fields, init_logger
 from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.model.layers import GatedMLP, Linear, RMSNorm
@@ -49,6 +50,7 @@ from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
 from kvferry.worker.cpu_features import CPUFeatures, cpu_features
+from kvferry.worker.malloc_tuning import tune_malloc
 
 logger = init_logger(__name__)
 
@@ -252,6 +254,7 @@ class CPUBackend:
             decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",
             prefill_attention="c-paged" if self.prefill_kernel is not None else "torch",
             argmax="c" if self.argmax is not None else "torch",
+            malloc=tune_malloc(envs.malloc_tuning()),
         )
         logger.info(fmt_fields("CPU paths", dtype=_name(self.dtype), **self.describe()))
 

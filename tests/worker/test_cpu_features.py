@@ -67,5 +67,6 @@ def test_start_up_line_names_features_and_paths(
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU paths")]
     assert len(lines) == 1
     facts = backend.describe()
-    for key in ("cpu_model", "cpu_flags", "isa", "native_bf16", "linear", "logits", "argmax"):
+    keys = ("cpu_model", "cpu_flags", "isa", "native_bf16", "linear", "logits", "argmax", "malloc")
+    for key in keys:
         assert key in facts and f"{key}=" in lines[0]
