@@ -37,7 +37,11 @@ from benchmarks.harness.quiet import read_loadavg, wait_until
 from benchmarks.harness.results import result_path, run_header, write_json
 from benchmarks.harness.timing import alternating
 
-ENGINE_ARGS: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+ENGINE_ARGS: dict[str, Any] = {
+    "max_model_len": 2048,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 2048,
+}
 
 
 def _free_port() -> int:
