@@ -53,7 +53,7 @@ from benchmarks.harness.serving import http_client, serve_env, stream_completion
 from benchmarks.harness.timing import alternating
 from kvferry.entrypoints.demo import Instance, start, stop, wait_healthy, wait_listening
 
-FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "2048"]
+FLAGS = ["--dtype", "float32", "--max-model-len", "2048"]
 BLOCK = 16
 POLICIES = ("round_robin", "kv_aware")
 
@@ -67,9 +67,15 @@ def _free_port() -> int:
 
 
 def start_instance(
-    name: str, model: Path, logs: Path, events: bool, kv_blocks: int | None = None
+    name: str,
+    model: Path,
+    logs: Path,
+    events: bool,
+    kv_blocks: int | None = None,
+    batched_tokens: int = 2048,
 ) -> tuple[Instance, dict]:
     argv = ["serve", str(model), "--port", "0", "--served-model-name", "m", *FLAGS]
+    argv += ["--max-num-batched-tokens", str(batched_tokens)]
     env = serve_env()
     if kv_blocks is not None:
         argv += ["--num-kv-blocks", str(kv_blocks)]
@@ -156,7 +162,7 @@ def p90(values: list[float]) -> float:
 
 def routing_part(args: argparse.Namespace, model: Path, logs: Path, vocab: int) -> dict[str, Any]:
     insts = [
-        start_instance(f"serve{i}", model, logs, events=True, kv_blocks=args.kv_blocks)
+        start_instance(f"serve{i}", model, logs, True, args.kv_blocks, args.max_num_batched_tokens)
         for i in range(3)
     ]
     procs = [i for i, _ in insts]
@@ -236,6 +242,12 @@ def main() -> None:
     ap.add_argument("--events-max-tokens", type=int, default=64, help="output tokens, events part")
     ap.add_argument(
         "--parts", default="routing,events", help="which parts to run: routing, events or both"
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget per step of the routed instances (smaller: shorter prefill chunks)",
     )
     ap.add_argument("--allow-noise", action="store_true", help="measure on a busy machine")
     ap.add_argument(
