@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvferry.config.errors import ConfigError
+from kvferry.config.json_object import from_json_object, parse_json
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 _ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -68,28 +68,11 @@ class KVEventsConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVEventsConfig:
-        if not isinstance(data, dict):
-            raise ConfigError("kv_events_config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown kv_events_config field(s) {unknown}; valid ones are {sorted(known)}"
-            )
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ConfigError(f"invalid kv_events_config: {exc}") from None
+        return from_json_object(cls, data, "kv_events_config")
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"kv_events_config is not valid JSON: {exc.msg} at {exc.pos}"
-            ) from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "--kv-events-config"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,11 +4,11 @@ roles and load-failure policies it accepts."""
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.config.errors import ConfigError
+from kvferry.config.json_object import from_json_object, parse_json
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
@@ -61,28 +61,11 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVTransferConfig:
-        import dataclasses
-
-        if not isinstance(data, dict):
-            raise ConfigError("the KV transfer config must be a JSON object")
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(valid))
-        if unknown:
-            raise ConfigError(
-                f"unknown KV transfer config key(s) {unknown}; valid keys are {valid}"
-            )
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ConfigError(f"bad KV transfer config: {e}") from None
+        return from_json_object(cls, data, "KV transfer config")
 
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "--kv-transfer-config"))
 
     @property
     def is_kv_transfer_instance(self) -> bool:
