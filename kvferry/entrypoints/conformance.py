@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 import tempfile
-
-from kvferry.config import ConfigError
+from collections.abc import Iterator
 
 
 def add_conformance_args(sub: argparse._SubParsersAction) -> None:
@@ -53,17 +55,19 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     from kvferry.testing import Harness, builtin_configs, run_conformance
 
     h = Harness(args.profile)
+    # Transports (NIXL/UCX, Mooncake) log from C++ straight to file descriptor 1: a
+    # machine-readable report must be all there is on stdout.
+    quiet = _stdout_to_stderr() if args.json or args.markdown else contextlib.nullcontext()
     try:
-        if args.builtin:
-            configs = builtin_configs(tempfile.mkdtemp(dir=h.workdir, prefix="builtin-"))
-        else:
-            configs = {"": args.kv_transfer_config}
-        reports = {
-            label: run_conformance(kv, args.profile, args.scenario, harness=h, pd=args.pd)
-            for label, kv in configs.items()
-        }
-    except ConfigError:
-        raise
+        with quiet:
+            if args.builtin:
+                configs = builtin_configs(tempfile.mkdtemp(dir=h.workdir, prefix="builtin-"))
+            else:
+                configs = {"": args.kv_transfer_config}
+            reports = {
+                label: run_conformance(kv, args.profile, args.scenario, harness=h, pd=args.pd)
+                for label, kv in configs.items()
+            }
     finally:
         h.close()
     if args.json:
@@ -74,3 +78,18 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     else:
         print("\n".join(r.to_text() for r in reports.values()), end="")
     return 0 if all(r.ok for r in reports.values()) else 1
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 (and ``sys.stdout``) at stderr for the duration."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

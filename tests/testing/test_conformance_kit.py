@@ -91,3 +91,19 @@ def test_cli_reports_json_and_exit_codes(
     assert rc == 1 and "FAILED          sync hit: " in text
     assert main(["conformance", "--kv-transfer-config", '{"kv_connector": "Nope"}']) == 2
     assert "unknown KV connector 'Nope'" in capsys.readouterr().err
+
+
+def test_cli_json_stays_parseable_when_native_code_prints(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    kv = {
+        "kv_connector": "NoisyConnector",
+        "kv_connector_module_path": "tests.testing.broken_connector",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    rc = main(
+        ["conformance", "--kv-transfer-config", json.dumps(kv), "--scenario", "miss", "--json"]
+    )
+    out, err = capfd.readouterr()
+    assert rc == 0 and json.loads(out)["ok"]
+    assert "a native log line" in err
