@@ -112,7 +112,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 

@@ -28,7 +28,7 @@ def check_scheduler_integrity(
     assert len(ids) == len(queued), "a request is queued twice"
     assert ids.isdisjoint(held_ids), "a held (finished) request is still queued"
     assert ids | held_ids == set(requests), "requests and queues disagree"
-    assert all(requests[i].is_finished for i in held_ids), "a held request is not finished"
+    assert all(requests[i].is_finished() for i in held_ids), "a held request is not finished"
     assert all(r.status == RequestStatus.RUNNING for r in running)
     waiting_ok = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
     assert all(r.status in waiting_ok for r in waiting), "bad status in waiting"

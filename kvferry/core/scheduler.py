@@ -362,7 +362,7 @@ class Scheduler(SchedulerBase):
         outputs: list[EngineCoreOutput] = []
         for req_id, message in failed.items():
             request = self.requests.get(req_id)
-            if request is None or request.is_finished or req_id in void:
+            if request is None or request.is_finished() or req_id in void:
                 continue
             logger.warning("request %s failed: %s", req_id, message)
             request.error = message
@@ -387,7 +387,7 @@ class Scheduler(SchedulerBase):
             logprobs = out.logprobs[i] if i < len(out.logprobs) else None
             new_ids, new_logprobs = self._append_sampled(request, sampled, logprobs)
             kv_transfer_params = None
-            if request.is_finished:
+            if request.is_finished():
                 stopped.add(req_id)
                 kv_transfer_params = self._free_request(request)
             outputs.append(

@@ -166,7 +166,7 @@ class SchedulerBase:
         outputs: list[EngineCoreOutput] = []
         for req_id in ids:
             request = self.requests.get(req_id)
-            if request is not None and not request.is_finished:
+            if request is not None and not request.is_finished():
                 if error is not None:
                     request.error = error
                 outputs.append(self._finish(request, finished_status))
@@ -194,7 +194,7 @@ class SchedulerBase:
     ) -> dict[str, Any] | None:
         """Retire a finished request; returns the connector's kv_transfer_params. A failing
         ``request_finished`` turns the request's end into an error (an abort stays one)."""
-        assert request.is_finished
+        assert request.is_finished()
         # KV connector: request_finished before freeing; held blocks (a delayed free or a
         # load in flight) stay, with the request, until the transfer is reported done.
         outcome = self.connector_state.request_finished(request, load_in_flight)

@@ -135,7 +135,7 @@ def test_bad_sampling_value_after_intake_fails_only_its_request(
     def poison(eng: LLMEngine, n: int) -> None:
         if n == at_step:
             request = eng.scheduler.get_request(f"{tag}-bad")
-            assert request is not None and not request.is_finished
+            assert request is not None and not request.is_finished()
             setattr(request.sampling_params, field, value)
 
     finals = _drive(engine, _mixed(tag, _random()), poison)

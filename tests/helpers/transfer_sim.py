@@ -75,7 +75,7 @@ class RandomTransfers:
         suspects = [rid for rid in out.finished_recving or ()] + [rid for rid, _ in loads]
         for rid in suspects:
             req = self.s.requests.get(rid)
-            if req is None or req.is_finished or rng.random() > 0.15:
+            if req is None or req.is_finished() or rng.random() > 0.15:
                 continue
             if req.status == WAITING_FOR_REMOTE_KVS and rng.random() < 0.5:
                 out.failed_recving.add(rid)

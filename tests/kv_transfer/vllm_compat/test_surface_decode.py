@@ -111,7 +111,7 @@ def test_request_and_blocks(probe):
     assert look["prompt_token_ids"] == PROMPT == look["all_token_ids"]
     assert (look["num_tokens"], look["num_prompt_tokens"]) == (len(PROMPT), len(PROMPT))
     assert look["num_computed_tokens"] == 0 == look["arg_num_computed"]
-    assert look["waiting"] and look["max_tokens"] == 3
+    assert look["waiting"] and not look["is_finished"] and look["max_tokens"] == 3
     assert look["kv_transfer_params"] is None and look["cache_salt"] is None
     assert look["num_block_hashes"] == len(PROMPT) // 16
     assert look["mm_features"] == [] and look["lora_request"] is None
@@ -119,7 +119,7 @@ def test_request_and_blocks(probe):
     assert alloc["is_blocks"] and alloc["num_external_tokens"] == 0
     assert len(alloc["block_ids"]) == 1 and len(alloc["block_ids"][0]) == 3  # 37 + 1 slots
     fin = seen["finished"][0]
-    assert fin["finished"] and fin["reason"] == "length"
+    assert fin["finished"] and fin["is_finished"] and fin["reason"] == "length"
     assert fin["output_token_ids"] == list(out.outputs[0].token_ids)
     assert fin["num_output_tokens"] == 3
     assert fin["block_ids"][: len(alloc["block_ids"][0])] == alloc["block_ids"][0]
