@@ -303,6 +303,15 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
         help="kv_aware: queued requests a whole-prompt cache hit is worth (default: 4)",
     )
     g.add_argument(
+        "--kv-shared-medium",
+        nargs="+",
+        metavar="MEDIUM",
+        default=[],
+        help="kv_aware: KV event media of a store every instance reads (e.g. the medium "
+        "of MooncakeStoreConnector's events): a block announced there by any instance "
+        "counts for all of them",
+    )
+    g.add_argument(
         "--kv-index-max-blocks",
         type=_positive_int,
         default=200_000,

@@ -96,3 +96,24 @@ def test_memory_is_capped_least_recently_used_first() -> None:
     assert idx.match("a", TOKENS).blocks == 0 and idx.match("a", other).blocks == 2
     idx.drop("a")
     assert idx.size("a") == 0
+
+
+def test_a_shared_medium_matches_on_every_instance() -> None:
+    idx = PrefixIndex(shared_media=["storage"])
+    # "a" stored the prompt in the shared store and keeps block 11 in its own pool too.
+    idx.apply("a", batch(stored([11, 12, 13], TOKENS, BS, medium=MEDIUM_STORAGE)))
+    idx.apply("a", batch(stored([11], TOKENS[:4], BS, medium=MEDIUM_GPU)))
+    # "b" announced nothing, yet finds the whole prompt at the store's weight.
+    b = idx.match("b", TOKENS)
+    assert (b.blocks, b.weighted_tokens) == (3, 12 * 0.25)
+    # "a" takes the better tier of each block: its own pool for the first one.
+    assert idx.match("a", TOKENS).weighted_tokens == 4 * 1.0 + 8 * 0.25
+    # The store outlives an instance's restart; its removals come through any instance.
+    idx.drop("a")
+    assert idx.match("a", TOKENS).weighted_tokens == 12 * 0.25
+    idx.apply("b", batch(BlockRemoved(block_hashes=[12], medium=MEDIUM_STORAGE)))
+    assert idx.match("a", TOKENS).blocks == 1 == idx.match("b", TOKENS).blocks
+    # Without a shared medium, storage stays per instance.
+    own = PrefixIndex()
+    own.apply("a", batch(stored([11, 12, 13], TOKENS, BS, medium=MEDIUM_STORAGE)))
+    assert own.match("b", TOKENS).blocks == 0 and own.match("a", TOKENS).blocks == 3

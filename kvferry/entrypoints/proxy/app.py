@@ -115,6 +115,7 @@ def router_config(args: argparse.Namespace, urls: list[str]) -> RouterConfig:
         hash_algo=getattr(args, "prefix_caching_hash_algo", None),
         block_size=getattr(args, "kv_block_size", 16),
         recent_ttl=getattr(args, "kv_recent_ttl", 10.0),
+        shared_media=tuple(getattr(args, "kv_shared_medium", None) or ()),
     )
 
 

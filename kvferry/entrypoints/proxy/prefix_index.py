@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvferry.kv_events import (
@@ -81,12 +81,14 @@ HashLookup = Sequence[tuple[ExternalBlockHash, ...]]
 
 
 class PrefixIndex:
-    def __init__(self, max_blocks: int = 200_000) -> None:
+    def __init__(self, max_blocks: int = 200_000, shared_media: Collection[str] = ()) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.max_blocks = max_blocks
+        self.shared_media = frozenset(m.upper() for m in shared_media)
         self._lock = threading.Lock()
         self._instances: dict[str, _Instance] = {}
+        self._shared = _Instance()
 
     # -- writing (the event thread) -----------------------------------------------------------
 
@@ -95,12 +97,16 @@ class PrefixIndex:
             inst = self._instances.setdefault(instance, _Instance())
             for ev in batch.events:
                 if isinstance(ev, BlockStored):
-                    self._stored(inst, ev)
+                    self._stored(self._target(inst, ev.medium), ev)
                 elif isinstance(ev, BlockRemoved):
-                    self._removed(inst, ev)
+                    self._removed(self._target(inst, ev.medium), ev)
                 elif isinstance(ev, AllBlocksCleared):
                     inst.blocks.clear()
                     inst.by_tokens.clear()
+
+    def _target(self, inst: _Instance, medium: str | None) -> _Instance:
+        shared = medium is not None and medium.upper() in self.shared_media
+        return self._shared if shared else inst
 
     def drop(self, instance: str) -> None:
         """Forget everything ``instance`` announced (it restarted, or events were lost)."""
@@ -179,27 +185,47 @@ class PrefixIndex:
         token walk (a salted prompt, which only recomputed hashes can match).
         """
         with self._lock:
-            inst = self._instances.get(instance)
-            if inst is None or not inst.blocks:
+            own = self._instances.get(instance)
+            held = [i for i in (own, self._shared) if i is not None and i.blocks]
+            if not held:
                 return NO_MATCH
-            bs = block_size or inst.block_size
+            bs = block_size or (own.block_size if own else None) or self._shared.block_size
             if not bs:
                 return NO_MATCH
             parent: ExternalBlockHash | None = None
             n, weighted = 0, 0.0
             for i in range(len(token_ids) // bs):
-                block, h = None, None
-                if use_tokens:
-                    h = inst.by_tokens.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-                    block = inst.blocks.get(h) if h is not None else None
-                if block is None and hashes is not None and i < len(hashes):
-                    for h in hashes[i]:
-                        if (block := inst.blocks.get(h)) is not None:
-                            break
-                if block is None or h is None:
+                tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+                forms = hashes[i] if hashes is not None and i < len(hashes) else ()
+                found = [
+                    f
+                    for inst in held
+                    if (f := self._find(inst, parent, tokens, forms, use_tokens)) is not None
+                ]
+                if not found:
                     break
-                inst.blocks.move_to_end(h)
+                parent = found[0][0]
                 n += 1
-                weighted += best_weight(block.media) * bs
-                parent = h
+                weighted += max(best_weight(block.media) for _, block in found) * bs
             return Match(n, n * bs, weighted) if n else NO_MATCH
+
+    @staticmethod
+    def _find(
+        inst: _Instance,
+        parent: ExternalBlockHash | None,
+        tokens: tuple[int, ...],
+        forms: Sequence[ExternalBlockHash],
+        use_tokens: bool,
+    ) -> tuple[ExternalBlockHash, _Block] | None:
+        """Block ``tokens`` (after ``parent``) in ``inst``, by token walk, then by hash."""
+        if use_tokens:
+            h = inst.by_tokens.get((parent, tokens))
+            block = inst.blocks.get(h) if h is not None else None
+            if h is not None and block is not None:
+                inst.blocks.move_to_end(h)
+                return h, block
+        for h in forms:
+            if (block := inst.blocks.get(h)) is not None:
+                inst.blocks.move_to_end(h)
+                return h, block
+        return None

@@ -41,6 +41,8 @@ class RouterConfig:
     block_size: int = 16
     recent_ttl: float = 10.0
     replay_timeout: float = 3.0
+    # KV event media that name a store every instance reads (e.g. Mooncake Store).
+    shared_media: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -83,7 +85,7 @@ class Router:
             for src in config.events:
                 if src.instance not in known:
                     raise ConfigError(f"KV events given for unknown instance {src.instance}")
-            self.index = PrefixIndex(config.index_max_blocks)
+            self.index = PrefixIndex(config.index_max_blocks, config.shared_media)
             self.recent = RecentRoutes(config.recent_ttl)
             self.subscriber = KVEventSubscriber(
                 self.index,
