@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+LMCACHE_VERSION ?= 0.5.6
 DEMO_MODEL ?= models/tiny-llama
 STAMP := $(VENV)/.kvferry-installed
 # Without a GPU, take PyTorch's CPU build (a plain PyPI torch is a multi-GB CUDA build).
@@ -19,7 +20,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
-	$(BIN)/python -m pip install -q -e ".[test,nixl]"
+	$(BIN)/python -m pip install -q --no-deps "lmcache==$(LMCACHE_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[test,nixl,mooncake,lmcache]"
+	bash scripts/system_deps.sh
 	touch $(STAMP)
 
 setup: $(STAMP)
