@@ -117,14 +117,14 @@ def _private_stdout() -> Any:
 
 def run_prefill(args: argparse.Namespace) -> None:
     out = _private_stdout()
-    from kvferry.kv_transfer.connectors.nixl.metadata import NixlConnectorMetadata, SendSpec
+    from kvferry.kv_transfer.connectors.pd.metadata import PDConnectorMetadata, SendSpec
 
     conn, _ = _connector(args, fill=True)
     worker = conn.connector_worker
     blocks = list(range(args.blocks))
     n = args.blocks * args.block_size
     sends = [SendSpec(f"bench-{i}", blocks, n, "digest") for i in range(2 * args.iters + 2)]
-    worker.bind(NixlConnectorMetadata(reqs_to_send=sends))
+    worker.bind(PDConnectorMetadata(reqs_to_send=sends))
     print(json.dumps({"port": worker.port}), file=out, flush=True)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
@@ -135,8 +135,8 @@ def run_prefill(args: argparse.Namespace) -> None:
 
 
 def _connector_read(conn: Any, i: int, port: int, args: argparse.Namespace) -> float:
-    from kvferry.kv_transfer.connectors.nixl.metadata import (
-        NixlConnectorMetadata,
+    from kvferry.kv_transfer.connectors.pd.metadata import (
+        PDConnectorMetadata,
         RecvSpec,
         RemoteRef,
     )
@@ -146,7 +146,7 @@ def _connector_read(conn: Any, i: int, port: int, args: argparse.Namespace) -> f
     spec = RecvSpec(f"r{i}", ref, blocks, blocks, args.blocks * args.block_size, "digest")
     worker = conn.connector_worker
     t0 = time.perf_counter()
-    worker.start_load(NixlConnectorMetadata(reqs_to_recv=[spec]), empty_step=False)
+    worker.start_load(PDConnectorMetadata(reqs_to_recv=[spec]), empty_step=False)
     while True:
         _, done = worker.get_finished()
         if done:

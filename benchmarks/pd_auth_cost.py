@@ -53,9 +53,9 @@ FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tok
 def auth_work_per_request(n: int = 2000) -> float:
     """Seconds of extra work authentication adds to one P/D request (both instances): the
     same side-channel and params handling timed with and without a secret."""
-    from kvferry.kv_transfer.connectors.nixl import handshake as hs
-    from kvferry.kv_transfer.connectors.nixl.auth import EnvelopeAuth, ParamsSigner, PeerAuth
-    from kvferry.kv_transfer.connectors.nixl.params import (
+    from kvferry.kv_transfer.connectors.pd import handshake as hs
+    from kvferry.kv_transfer.connectors.pd.auth import EnvelopeAuth, ParamsSigner, PeerAuth
+    from kvferry.kv_transfer.connectors.pd.params import (
         check_signature,
         decode_params,
         parse_remote,

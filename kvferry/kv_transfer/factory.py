@@ -207,5 +207,8 @@ for _name, _module in [
     ("SimpleCPUOffloadConnector", f"{_CONNECTORS}.simple_cpu_offload_connector"),
     ("OffloadingConnector", f"{_CONNECTORS}.offloading_connector"),
     ("FaultInjectionConnector", f"{_CONNECTORS}.fault_injection"),
+    ("MooncakeStoreConnector", f"{_CONNECTORS}.mooncake_store"),
+    ("MooncakeConnector", f"{_CONNECTORS}.mooncake"),
+    ("LMCacheMPConnector", f"{_CONNECTORS}.lmcache_mp"),
 ]:
     KVConnectorFactory.register_connector(_name, _module, _name)

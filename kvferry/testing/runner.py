@@ -17,7 +17,7 @@ from kvferry.testing.report import FAILED, ConformanceReport, ScenarioResult
 from kvferry.testing.scenarios import SCENARIOS, Subject
 
 # Connectors whose hits are handed over by a prefill instance (run_conformance's pd default).
-PD_CONNECTORS = ("NixlConnector",)
+PD_CONNECTORS = ("NixlConnector", "MooncakeConnector")
 
 
 def parse_kv_transfer_config(value: str | dict[str, Any]) -> dict[str, Any]:

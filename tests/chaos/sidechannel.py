@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvferry.kv_transfer.connectors.nixl import handshake
+from kvferry.kv_transfer.connectors.pd import handshake
 
 
 def compat_of(model: Path, num_blocks: int = 128) -> handshake.Compat:
@@ -85,7 +85,7 @@ class Outsider:
 
 def _wrong_key_codec(compat: handshake.Compat) -> handshake.Codec | None:
     try:
-        from kvferry.kv_transfer.connectors.nixl.auth import EnvelopeAuth, ParamsSigner, PeerAuth
+        from kvferry.kv_transfer.connectors.pd.auth import EnvelopeAuth, ParamsSigner, PeerAuth
     except ImportError:
         return None
     key = os.urandom(32)

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import psutil
 
-from kvferry.kv_transfer.connectors.nixl import handshake
+from kvferry.kv_transfer.connectors.pd import handshake
 from tests.helpers.servers import dead_port
 
 from .conftest import LEASE_S, nixl_kv
@@ -185,7 +185,7 @@ def test_forged_release(pd_up, pd_good) -> None:
 
 
 def _requests(params: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
-    from kvferry.kv_transfer.connectors.nixl.params import token_digest
+    from kvferry.kv_transfer.connectors.pd.params import token_digest
 
     engine, rid = params["remote_engine_id"], params["remote_request_id"]
     blocks = params["remote_block_ids"]

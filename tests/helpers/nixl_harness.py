@@ -34,7 +34,7 @@ from typing import Any
 
 
 def _die_after_claim() -> None:
-    from kvferry.kv_transfer.connectors.nixl import lease
+    from kvferry.kv_transfer.connectors.pd import lease
 
     original = lease.LeaseTable.claim
 
@@ -50,7 +50,7 @@ def _die_after_claim() -> None:
 
 
 def _slow_posts(engine_id: str, delay: float) -> None:
-    from kvferry.kv_transfer.connectors.nixl import reader
+    from kvferry.kv_transfer.connectors.pd import reader
 
     original = reader.Reader._post
 

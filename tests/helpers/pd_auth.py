@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from kvferry.kv_transfer.connectors.nixl import handshake as hs
-from kvferry.kv_transfer.connectors.nixl.auth import EnvelopeAuth, ParamsSigner, PeerAuth
+from kvferry.kv_transfer.connectors.pd import handshake as hs
+from kvferry.kv_transfer.connectors.pd.auth import EnvelopeAuth, ParamsSigner, PeerAuth
 from kvferry.kv_transfer.secret import DeploymentSecret
 
 SECRET = DeploymentSecret(b"s3cret-for-the-tests-0123456789", "test")

@@ -1,5 +1,6 @@
-"""The NIXL library behind the connector: one agent per worker, the KV pool registered with
-it, and block-granular READs from a peer's pool.
+"""The NIXL library behind the connector (its ``KVTransport``, see
+:mod:`kvferry.kv_transfer.connectors.pd.transport`): one agent per worker, the KV pool
+registered with it, and block-granular READs from a peer's pool.
 
 Every layer's KV tensor ``(2, num_blocks, block_size, kv_heads, head_dim)`` is one registered
 region. Transfers use one descriptor per (layer, K|V, block) in that order, so a request's
@@ -30,79 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from kvferry.kv_transfer.connectors.nixl.handshake import AgentInfo, ProtocolError
+from kvferry.kv_transfer.connectors.pd.handshake import AgentInfo, ProtocolError
+from kvferry.kv_transfer.connectors.pd.transport import KVLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Where every block of a KV pool lives: K block b of layer l at
-    ``base_addrs[l] + b * block_bytes``, its V block ``num_blocks * block_bytes`` further."""
-
-    num_blocks: int
-    block_bytes: int
-    block_size: int
-    mem_type: str  # "DRAM" | "VRAM"
-    device_id: int
-    base_addrs: tuple[int, ...]
-
-    @staticmethod
-    def of_caches(kv_caches: dict[str, torch.Tensor]) -> KVLayout:
-        tensors = list(kv_caches.values())
-        if not tensors:
-            raise ValueError("NixlConnector: no KV cache tensors to register")
-        first = tensors[0]
-        for t in tensors:
-            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-                raise ValueError("NixlConnector: all KV cache layers must share shape and dtype")
-            if not t.is_contiguous() or t.dim() != 5 or t.shape[0] != 2:
-                raise ValueError("NixlConnector: KV caches must be contiguous (2, N, B, H, D)")
-        block_bytes = first[0, 0].numel() * first.element_size()
-        dev = first.get_device()
-        return KVLayout(
-            num_blocks=first.shape[1],
-            block_bytes=block_bytes,
-            block_size=first.shape[2],
-            mem_type="VRAM" if dev >= 0 else "DRAM",
-            device_id=max(dev, 0),
-            base_addrs=tuple(t.data_ptr() for t in tensors),
-        )
-
-    @staticmethod
-    def of_peer(info: AgentInfo) -> KVLayout:
-        return KVLayout(
-            info.num_blocks,
-            info.block_bytes,
-            info.block_size,
-            info.mem_type,
-            info.device_id,
-            tuple(info.base_addrs),
-        )
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.base_addrs)
-
-    def descs(self) -> np.ndarray:
-        """One ``(addr, len, device)`` row per (layer, K|V, block)."""
-        nb, bb = self.num_blocks, self.block_bytes
-        bases = np.array(self.base_addrs, dtype=np.uint64)
-        offs = (np.arange(2 * nb, dtype=np.uint64) * np.uint64(bb)).reshape(1, 2 * nb)
-        out = np.empty((self.num_layers * 2 * nb, 3), dtype=np.uint64)
-        out[:, 0] = (bases[:, None] + offs).ravel()
-        out[:, 1] = bb
-        out[:, 2] = self.device_id
-        return out
-
-    def indices(self, block_ids: list[int]) -> np.ndarray:
-        """Descriptor indices of ``block_ids`` in every layer, K and V, in :meth:`descs` order."""
-        ids = np.asarray(block_ids, dtype=np.int64)
-        rows = np.arange(2 * self.num_layers, dtype=np.int64)[:, None] * self.num_blocks
-        return (rows + ids[None, :]).ravel().astype(np.int32)
 
 
 @dataclass
@@ -185,6 +119,8 @@ def _agent_settings(api: Any, progress_delay_us: int, net_devices: str | None) -
 
 
 class NixlTransport:
+    label = "NIXL"
+
     def __init__(
         self,
         name: str,
@@ -218,6 +154,9 @@ class NixlTransport:
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", layout.descs(), layout.mem_type)
         self.layout = layout
         return layout
+
+    def describe(self) -> str:
+        return "backends=" + ",".join(self.agent.backends)
 
     @property
     def local_dlist(self) -> Any:

@@ -1,11 +1,12 @@
-"""NixlConnector: prefill/decode disaggregation over NIXL (a thin facade).
+"""NixlConnector: prefill/decode disaggregation over NIXL (a thin facade over the shared P/D
+machinery in :mod:`kvferry.kv_transfer.connectors.pd`, with :class:`~.agent.NixlTransport`).
 
 One class for both P/D roles; which one a request plays is decided per request by its
 ``kv_transfer_params``: ``do_remote_decode`` on the prefill instance (compute the prompt, hold
 its blocks, return where to read them), ``do_remote_prefill`` on the decode instance (read the
 prompt's KV from the prefill instance, then decode). A :class:`SplitConnector`: the
 scheduler role forwards to :class:`NixlConnectorScheduler`, the worker role to
-:class:`NixlConnectorWorker`.
+:class:`NixlConnectorWorker` (both the shared P/D halves).
 
 One transfer, end to end::
 
@@ -51,82 +52,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvferry.config import ConfigError
-from kvferry.kv_transfer.base import CacheHitSource, KVConnectorMetadata, KVConnectorRole
-from kvferry.kv_transfer.connectors.nixl.auth import check_exposure, load_peer_auth
-from kvferry.kv_transfer.connectors.nixl.metadata import (
-    NixlConnectorMetadata,
-)
-from kvferry.kv_transfer.connectors.nixl.options import NixlOptions, side_channel_address
+from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
 from kvferry.kv_transfer.connectors.nixl.scheduler import NixlConnectorScheduler
-from kvferry.kv_transfer.connectors.split import SplitConnector
-from kvferry.kv_transfer.options import parse_options
-from kvferry.logger import init_logger
+from kvferry.kv_transfer.connectors.pd.connector import PDConnector
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
     from kvferry.kv_cache_config import KVCacheConfig
     from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
 
-logger = init_logger(__name__)
 
+class NixlConnector(PDConnector):
+    options_cls = NixlOptions
+    scheduler_cls = NixlConnectorScheduler
 
-class NixlConnector(SplitConnector[NixlConnectorScheduler, "NixlConnectorWorker"]):
-    _cache_hit_source = CacheHitSource.P2P  # a peer engine's KV
-    # Extra-config keys a subclass consumes itself (not NixlConnector options).
-    subclass_options: tuple[str, ...] = ()
+    def make_worker(
+        self,
+        config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        opts: NixlOptions,
+        engine_id: str,
+    ) -> NixlConnectorWorker:
+        # Imported here: the scheduler role never loads NIXL.
+        from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
 
-    def __init__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(config, role, kv_cache_config)
-        name = type(self).__name__
-        opts = parse_options(
-            NixlOptions,
-            self._kv_transfer_config.kv_connector_extra_config,
-            name,
-            ignore=self.subclass_options,
-        )
-        if len(kv_cache_config.groups) != 1:
-            raise ConfigError(f"{name} supports one KV cache group")
-        engine_id = self._kv_transfer_config.engine_id
-        assert engine_id is not None
-        auth = load_peer_auth(opts)
-        host, _ = side_channel_address(config, opts, rank=0)
-        check_exposure(host, auth, opts.allow_unauthenticated, name)
-        if role == KVConnectorRole.SCHEDULER:
-            self.set_scheduler_half(
-                NixlConnectorScheduler(config, kv_cache_config, opts, engine_id, auth)
-            )
-        else:
-            if auth is None:
-                logger.warning(
-                    "%s: the NIXL side channel on %s is not authenticated and kv_transfer_params "
-                    "are not signed: anyone who can reach it can read the KV this instance "
-                    "holds; configure a deployment secret (see docs/security.md)",
-                    name,
-                    host,
-                )
-            else:
-                logger.info("%s: side channel authenticated (secret from %s)", name, auth.source)
-            # Imported here: the scheduler role never loads NIXL.
-            from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
-
-            self.set_worker_half(NixlConnectorWorker(config, kv_cache_config, opts, engine_id))
-
-    @property
-    def connector_scheduler(self) -> NixlConnectorScheduler | None:
-        return self._scheduler_half
-
-    @property
-    def connector_worker(self) -> NixlConnectorWorker | None:
-        return self._worker_half
-
-    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
-        if not isinstance(metadata, NixlConnectorMetadata):
-            raise TypeError(f"NixlConnector got {type(metadata).__name__} as its metadata")
-        super().bind_connector_metadata(metadata)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = super().get_finished(finished_req_ids)
-        return sending or None, recving or None
+        return NixlConnectorWorker(config, kv_cache_config, opts, engine_id)

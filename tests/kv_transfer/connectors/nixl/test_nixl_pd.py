@@ -169,7 +169,7 @@ def test_forged_params_fail_clearly_and_hold_nothing(cluster, prompts, reference
 def test_incompatible_or_impostor_peer_is_refused(cluster, prompts, caplog):
     import zmq
 
-    from kvferry.kv_transfer.connectors.nixl import handshake as hs
+    from kvferry.kv_transfer.connectors.pd import handshake as hs
 
     d = cluster["D1"]
     ours = d.ready["compat"]

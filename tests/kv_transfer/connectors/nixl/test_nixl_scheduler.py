@@ -12,8 +12,8 @@ import pytest
 from kvferry.config import ConfigError, KVTransferConfig
 from kvferry.kv_transfer.base import KVConnectorRole
 from kvferry.kv_transfer.connectors.nixl.connector import NixlConnector
-from kvferry.kv_transfer.connectors.nixl.metadata import NixlWorkerMeta
-from kvferry.kv_transfer.connectors.nixl.params import token_digest
+from kvferry.kv_transfer.connectors.pd.metadata import PDWorkerMeta as NixlWorkerMeta
+from kvferry.kv_transfer.connectors.pd.params import token_digest
 from kvferry.request import RequestStatus
 from kvferry.step_types.kv_connector_output import KVConnectorOutput
 from tests.helpers.scheduler import (

@@ -13,11 +13,11 @@ import torch
 import zmq
 
 from kvferry.kv_transfer.base import KVConnectorRole
-from kvferry.kv_transfer.connectors.nixl import handshake as hs
 from kvferry.kv_transfer.connectors.nixl.connector import NixlConnector
-from kvferry.kv_transfer.connectors.nixl.lease import LeaseTable
-from kvferry.kv_transfer.connectors.nixl.metadata import NixlConnectorMetadata
-from kvferry.kv_transfer.connectors.nixl.params import (
+from kvferry.kv_transfer.connectors.pd import handshake as hs
+from kvferry.kv_transfer.connectors.pd.lease import LeaseTable
+from kvferry.kv_transfer.connectors.pd.metadata import PDConnectorMetadata as NixlConnectorMetadata
+from kvferry.kv_transfer.connectors.pd.params import (
     ParamsError,
     Side,
     parse_remote,
@@ -230,7 +230,7 @@ def test_worker_to_worker_read_moves_exactly_the_named_blocks(monkeypatch):
         pw, dw = p.connector_worker, d.connector_worker
         assert pw is not None and dw is not None
         digest = token_digest(list(range(40)), 40)
-        from kvferry.kv_transfer.connectors.nixl.metadata import RecvSpec, RemoteRef, SendSpec
+        from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef, SendSpec
 
         pw.bind(NixlConnectorMetadata(reqs_to_send=[SendSpec("p-1", [3, 4, 9], 40, digest)]))
         ref = RemoteRef("eng-P", "127.0.0.1", pw.port, "p-1")
@@ -289,9 +289,9 @@ def _reader(transport: FakeTransport, held_s: float = 60.0, **opts: Any) -> Any:
     from concurrent.futures import Future
 
     from kvferry.kv_transfer.connectors.nixl.agent import KVLayout
-    from kvferry.kv_transfer.connectors.nixl.metadata import RecvSpec, RemoteRef
     from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
-    from kvferry.kv_transfer.connectors.nixl.reader import Reader, _Read
+    from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef
+    from kvferry.kv_transfer.connectors.pd.reader import Reader, _Read
 
     layout = KVLayout(32, 512, 16, "DRAM", 0, (4096,))
     options = NixlOptions(handshake_timeout=0.1, **opts)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from kvferry.kv_transfer.connectors.nixl import handshake as hs
+from kvferry.kv_transfer.connectors.pd import handshake as hs
 from tests.helpers.pd_auth import LEASE_S, SECRET, _auth, _kv, _refusal
 
 # -- real engine processes ----------------------------------------------------------------------

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from kvferry.config import KVTransferConfig
-from kvferry.kv_transfer.connectors.nixl.auth import PeerAuth
 from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
-from kvferry.kv_transfer.connectors.nixl.params import ParamsError, decode_params
 from kvferry.kv_transfer.connectors.nixl.scheduler import NixlConnectorScheduler
+from kvferry.kv_transfer.connectors.pd.auth import PeerAuth
+from kvferry.kv_transfer.connectors.pd.params import ParamsError, decode_params
 from tests.helpers.pd_auth import OTHER, _auth
 from tests.helpers.scheduler import make_kv_cache_config
 

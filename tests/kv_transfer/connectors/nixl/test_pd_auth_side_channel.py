@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import zmq
 
-from kvferry.kv_transfer.connectors.nixl import handshake as hs
-from kvferry.kv_transfer.connectors.nixl.auth import SignedFields
-from kvferry.kv_transfer.connectors.nixl.params import ParamsProof
+from kvferry.kv_transfer.connectors.pd import handshake as hs
+from kvferry.kv_transfer.connectors.pd.auth import SignedFields
+from kvferry.kv_transfer.connectors.pd.params import ParamsProof
 from tests.helpers.pd_auth import COMPAT, OTHER, _auth, _refusal
 
 

@@ -12,9 +12,9 @@ import torch
 
 from kvferry.config import ConfigError
 from kvferry.kv_transfer.base import KVConnectorRole
-from kvferry.kv_transfer.connectors.nixl.auth import ParamsSigner
 from kvferry.kv_transfer.connectors.nixl.connector import NixlConnector
-from kvferry.kv_transfer.connectors.nixl.params import decode_params
+from kvferry.kv_transfer.connectors.pd.auth import ParamsSigner
+from kvferry.kv_transfer.connectors.pd.params import decode_params
 from tests.helpers.nixl_config import nixl_engine_config
 from tests.helpers.pd_auth import SECRET, _auth
 from tests.helpers.scheduler import make_kv_cache_config
@@ -47,13 +47,15 @@ def test_no_unauthenticated_side_channel_beyond_loopback(tmp_path, monkeypatch) 
 def _hold_and_read(p: NixlConnector, d: NixlConnector, signer: ParamsSigner, port: int) -> tuple:
     """P holds blocks [3, 4] of a 32-token prompt; D reads them into [7, 8] with params
     that ``signer`` issued naming side-channel port ``port`` (as D's scheduler would)."""
-    from kvferry.kv_transfer.connectors.nixl.metadata import (
-        NixlConnectorMetadata,
+    from kvferry.kv_transfer.connectors.pd.metadata import (
+        PDConnectorMetadata as NixlConnectorMetadata,
+    )
+    from kvferry.kv_transfer.connectors.pd.metadata import (
         RecvSpec,
         SendSpec,
     )
-    from kvferry.kv_transfer.connectors.nixl.params import parse_remote, token_digest
-    from kvferry.kv_transfer.connectors.nixl.scheduler import _ref
+    from kvferry.kv_transfer.connectors.pd.params import parse_remote, token_digest
+    from kvferry.kv_transfer.connectors.pd.scheduler import _ref
 
     pw, dw = p.connector_worker, d.connector_worker
     assert pw is not None and dw is not None

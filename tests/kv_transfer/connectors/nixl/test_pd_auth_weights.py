@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from kvferry.kv_transfer.connectors.nixl import handshake as hs
+from kvferry.kv_transfer.connectors.pd import handshake as hs
 from kvferry.model.fingerprint import weights_fingerprint
 from tests.helpers.scheduler import make_kv_cache_config
 

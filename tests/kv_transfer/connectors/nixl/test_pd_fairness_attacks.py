@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from kvferry.kv_transfer.connectors.nixl import handshake as hs
+from kvferry.kv_transfer.connectors.pd import handshake as hs
 from tests.helpers.nixl_instance import (
     Instance,
     assert_all_free,

@@ -12,13 +12,15 @@ import torch
 from kvferry.kv_transfer.base import KVConnectorRole
 from kvferry.kv_transfer.connectors.nixl.agent import NixlTransport, ucx_net_devices
 from kvferry.kv_transfer.connectors.nixl.connector import NixlConnector
-from kvferry.kv_transfer.connectors.nixl.metadata import (
-    NixlConnectorMetadata,
+from kvferry.kv_transfer.connectors.pd.metadata import (
+    PDConnectorMetadata as NixlConnectorMetadata,
+)
+from kvferry.kv_transfer.connectors.pd.metadata import (
     RecvSpec,
     RemoteRef,
     SendSpec,
 )
-from kvferry.kv_transfer.connectors.nixl.params import token_digest
+from kvferry.kv_transfer.connectors.pd.params import token_digest
 from tests.helpers.nixl_config import nixl_engine_config
 from tests.helpers.scheduler import make_kv_cache_config
 

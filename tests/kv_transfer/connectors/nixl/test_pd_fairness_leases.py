@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.kv_transfer.connectors.nixl import handshake as hs
-from kvferry.kv_transfer.connectors.nixl.lease import LeaseTable
+from kvferry.kv_transfer.connectors.pd import handshake as hs
+from kvferry.kv_transfer.connectors.pd.lease import LeaseTable
 
 pytest.importorskip("nixl", reason="the NixlConnector needs the nixl package (extra 'nixl')")
 

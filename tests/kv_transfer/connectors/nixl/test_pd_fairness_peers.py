@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import zmq
 
-from kvferry.kv_transfer.connectors.nixl import handshake as hs
 from kvferry.kv_transfer.connectors.nixl.agent import KVLayout
-from kvferry.kv_transfer.connectors.nixl.metadata import RecvSpec, RemoteRef
 from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
-from kvferry.kv_transfer.connectors.nixl.peers import PeerClient
-from kvferry.kv_transfer.connectors.nixl.slots import Slots
+from kvferry.kv_transfer.connectors.pd import handshake as hs
+from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef
+from kvferry.kv_transfer.connectors.pd.peers import PeerClient
+from kvferry.kv_transfer.connectors.pd.slots import Slots
 from tests.helpers.ports import _dead_port
 
 pytest.importorskip("nixl", reason="the NixlConnector needs the nixl package (extra 'nixl')")
@@ -108,7 +108,7 @@ def test_dead_peers_delay_only_their_own_work(peers):
 
 def test_a_dead_peer_sheds_its_backlog_and_logs_once(peers, caplog):
     client, port = peers
-    caplog.set_level(logging.WARNING, "kvferry.kv_transfer.connectors.nixl.peer_calls")
+    caplog.set_level(logging.WARNING, "kvferry.kv_transfer.connectors.pd.peer_calls")
     gone = RemoteRef("gone", "127.0.0.1", _dead_port(), "r")
     started = time.monotonic()
     backlog = [client.release(gone, [1]) for _ in range(300)]

@@ -14,8 +14,8 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-from kvferry.kv_transfer.connectors.nixl.auth import MAC_BYTES, NONCE_BYTES
-from kvferry.kv_transfer.connectors.nixl.params import (
+from kvferry.kv_transfer.connectors.pd.auth import MAC_BYTES, NONCE_BYTES
+from kvferry.kv_transfer.connectors.pd.params import (
     MAX_BLOCKS,
     MAX_ID_LEN,
     BlockIds,
@@ -134,7 +134,7 @@ assert MAX_BLOCKS * 6 < MAX_MESSAGE_BYTES  # a claim of the most blocks still fi
 
 
 class ReadDone(msgspec.Struct, array_like=True, frozen=True):
-    """The NIXL notification a reader attaches to its READ (delivered after the data); with
+    """The notification a reader attaches to its READ (delivered after the data); with
     a deployment secret it carries a MAC, so nobody else can end a hold early."""
 
     engine_id: EngineId

@@ -1,6 +1,6 @@
 """The decode side's side-channel client: handshakes, claims, heartbeats and releases.
 
-Every call runs on one asyncio loop in a background thread (ZeroMQ sockets; the NIXL agent
+Every call runs on one asyncio loop in a background thread (ZeroMQ sockets; the transport
 is never touched here), so a call waiting for its answer costs a socket, not a thread. Work
 is kept per *peer* (:mod:`.peer_table`) and sent within the limits of :mod:`.peer_calls`.
 
@@ -27,9 +27,8 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from kvferry.kv_transfer.connectors.nixl.agent import KVLayout
-from kvferry.kv_transfer.connectors.nixl.codec import Codec, ProtocolError
-from kvferry.kv_transfer.connectors.nixl.messages import (
+from kvferry.kv_transfer.connectors.pd.codec import Codec, ProtocolError
+from kvferry.kv_transfer.connectors.pd.messages import (
     AgentInfo,
     ClaimRequest,
     Granted,
@@ -40,11 +39,12 @@ from kvferry.kv_transfer.connectors.nixl.messages import (
     ReleaseRequest,
     Renewed,
 )
-from kvferry.kv_transfer.connectors.nixl.metadata import RecvSpec, RemoteRef
-from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
-from kvferry.kv_transfer.connectors.nixl.peer_calls import GivenUp, PeerCalls
-from kvferry.kv_transfer.connectors.nixl.peer_table import Addr, Peer, PeerTable, addr_of
-from kvferry.kv_transfer.connectors.nixl.sidechannel import PeerUnreachable
+from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef
+from kvferry.kv_transfer.connectors.pd.options import PDOptions
+from kvferry.kv_transfer.connectors.pd.peer_calls import GivenUp, PeerCalls
+from kvferry.kv_transfer.connectors.pd.peer_table import Addr, Peer, PeerTable, addr_of
+from kvferry.kv_transfer.connectors.pd.sidechannel import PeerUnreachable
+from kvferry.kv_transfer.connectors.pd.transport import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +63,22 @@ class PeerClient:
         engine_id: str,
         agent_name: str,
         local: KVLayout,
-        opts: NixlOptions,
+        opts: PDOptions,
+        label: str = "P/D",
     ) -> None:
         self.codec = codec
+        self.label = label
         self.engine_id = engine_id
         self.agent_name = agent_name
         self.local = local
         self.opts = opts
         actx = zmq.asyncio.Context.shadow(ctx.underlying)
-        self._calls = PeerCalls(actx, codec, opts.handshake_timeout)  # loop thread only
+        self._calls = PeerCalls(actx, codec, opts.handshake_timeout, label)  # loop thread only
         self._peers = PeerTable(opts.max_peer_inflight)  # loop thread only
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="nixl-peers", daemon=True
+            target=self._loop.run_forever, name=f"{label.lower()}-peers", daemon=True
         )
         self._thread.start()
 
@@ -125,7 +127,7 @@ class PeerClient:
             drain = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
             drain.result(self.opts.handshake_timeout + 5)
         except Exception as e:  # the loop is stopped below anyway
-            logger.debug("NIXL: side-channel client shutdown: %r", e)
+            logger.debug("%s: side-channel client shutdown: %r", self.label, e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
@@ -179,7 +181,9 @@ class PeerClient:
                 raise ReadFailed(f"claim failed: {e}") from None
             if granted.agent_name == info.agent_name:
                 return info, sent + granted.expires_in
-        raise ReadFailed(f"engine {remote.engine_id} changed its NIXL agent during the claim")
+        raise ReadFailed(
+            f"engine {remote.engine_id} changed its {self.label} agent during the claim"
+        )
 
     async def _agent_info(self, peer: Peer, refresh: bool) -> AgentInfo:
         async with peer.handshake:
@@ -262,12 +266,12 @@ class PeerClient:
         except GivenUp:
             return None
         except Exception as e:
-            logger.info("NIXL: heartbeat to %s failed: %s", peer.label, e)
+            logger.info("%s: heartbeat to %s failed: %s", self.label, peer.label, e)
             return None
         finally:
             peer.beating.discard(purpose)
         if isinstance(reply, Refused):
-            logger.info("NIXL: heartbeat refused by %s: %s", peer.label, reply.reason)
+            logger.info("%s: heartbeat refused by %s: %s", self.label, peer.label, reply.reason)
         return reply if isinstance(reply, Renewed) else None
 
     async def _release(self, addr: Addr, req: ReleaseRequest) -> str | None:
@@ -277,9 +281,11 @@ class PeerClient:
         except GivenUp as e:
             return str(e)
         except Exception as e:
-            logger.info("NIXL: release of %r at %s failed: %s", req.request_id, peer.label, e)
+            logger.info(
+                "%s: release of %r at %s failed: %s", self.label, req.request_id, peer.label, e
+            )
             return str(e)
         if isinstance(reply, Refused):
-            logger.info("NIXL: release refused by %s: %s", peer.label, reply.reason)
+            logger.info("%s: release refused by %s: %s", self.label, peer.label, reply.reason)
             return reply.reason
         return None

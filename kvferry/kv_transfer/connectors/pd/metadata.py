@@ -1,8 +1,8 @@
-"""The plain data the NIXL connector's two roles exchange.
+"""The plain data a P/D connector's two roles exchange (NIXL and Mooncake alike).
 
-Scheduler -> worker, every step: :class:`NixlConnectorMetadata` (reads to start, blocks to
+Scheduler -> worker, every step: :class:`PDConnectorMetadata` (reads to start, blocks to
 hold for readers, releases and heartbeats to send). Worker -> scheduler, every step:
-:class:`NixlWorkerMeta` (the side-channel address a prefill instance advertises, which the
+:class:`PDWorkerMeta` (the side-channel address a prefill instance advertises, which the
 scheduler only knows in advance when the port is configured).
 """
 
@@ -17,7 +17,7 @@ from kvferry.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
-from kvferry.kv_transfer.connectors.nixl.params import ParamsProof
+from kvferry.kv_transfer.connectors.pd.params import ParamsProof
 
 
 class RemoteRef(msgspec.Struct, frozen=True):
@@ -69,7 +69,7 @@ class ReleaseSpec(msgspec.Struct, frozen=True):
 
 
 @dataclass
-class NixlConnectorMetadata(KVConnectorMetadata):
+class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[RecvSpec] = field(default_factory=list)
     reqs_to_send: list[SendSpec] = field(default_factory=list)
     # Prefill requests admitted this step: a reader that claims one of them before its hold
@@ -81,19 +81,19 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class NixlWorkerMeta(KVConnectorWorkerMetadata):
+class PDWorkerMeta(KVConnectorWorkerMetadata):
     """Side-channel address per worker rank: ``rank -> (host, port)``."""
 
     addresses: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, NixlWorkerMeta):
+        if isinstance(other, PDWorkerMeta):
             self.addresses.update(other.addresses)
         return self
 
 
 @dataclass
-class NixlHandshakeMetadata(KVConnectorHandshakeMetadata):
+class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
     engine_id: str
     rank: int
     host: str

@@ -1,5 +1,5 @@
-"""The ``kv_transfer_params`` of the NIXL connector: which side of a P/D pair a request is
-on, and the checked fields a decode instance reads the prefilled KV with.
+"""The ``kv_transfer_params`` of the P/D connectors (NIXL, Mooncake): which side of a P/D
+pair a request is on, and the checked fields a decode instance reads the prefilled KV with.
 
 A request's params are untrusted input (they come from a client or a proxy). Nothing here
 trusts a type, a range or a length: :func:`request_side` and :func:`parse_remote` raise
@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvferry.kv_transfer.connectors.nixl.auth import NotAuthenticated, ParamsSigner, SignedFields
+from kvferry.kv_transfer.connectors.pd.auth import NotAuthenticated, ParamsSigner, SignedFields
 
 # Bounds shared with the side-channel messages (handshake.py).
 MAX_ID_LEN = 256

@@ -1,4 +1,5 @@
-"""Who may talk to a NIXL connector: the deployment secret applied to its peer traffic.
+"""Who may talk to a P/D connector (NIXL or Mooncake): the deployment secret applied to its
+peer traffic.
 
 With a deployment secret (:mod:`kvferry.kv_transfer.secret`) configured:
 
@@ -10,7 +11,7 @@ With a deployment secret (:mod:`kvferry.kv_transfer.secret`) configured:
   last ``2 * window`` seconds; a reply only if it names the nonce of the request it answers,
   so a recorded reply cannot answer a later request. Only authenticated requests enter the
   nonce memory, so an outsider cannot fill it. The READ-completion notification a reader
-  attaches to its NIXL transfer carries a MAC too (it ends a hold; request ids are used once,
+  attaches to its transfer carries a MAC too (it ends a hold; request ids are used once,
   so a replayed one matches no hold).
 * **kv_transfer_params** (:class:`ParamsSigner`): the params a prefill instance returns carry
   ``kv_signature``, an HMAC over a canonical encoding of every field a decode instance reads
@@ -42,7 +43,7 @@ from kvferry.config import ConfigError
 from kvferry.kv_transfer.secret import DeploymentSecret, load_deployment_secret
 
 if TYPE_CHECKING:
-    from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
+    from kvferry.kv_transfer.connectors.pd.options import PDOptions
 
 MAC_BYTES = 32
 NONCE_BYTES = 16
@@ -184,7 +185,7 @@ class PeerAuth:
     source: str
 
 
-def load_peer_auth(opts: NixlOptions) -> PeerAuth | None:
+def load_peer_auth(opts: PDOptions) -> PeerAuth | None:
     """The connector's authentication, or None when no deployment secret is configured."""
     secret: DeploymentSecret | None = load_deployment_secret(
         {"secret_file": opts.secret_file} if opts.secret_file is not None else None
@@ -213,7 +214,7 @@ def check_exposure(
     """Refuse to listen beyond loopback without a secret unless explicitly allowed."""
     if auth is None and not allow_unauthenticated and not is_loopback(host):
         raise ConfigError(
-            f"{owner}: the NIXL side channel would listen on {host}, beyond loopback, without "
+            f"{owner}: the P/D side channel would listen on {host}, beyond loopback, without "
             f"authentication; configure a deployment secret (KVFERRY_KV_SECRET_FILE or the "
             f"secret_file option, see docs/security.md), bind it to 127.0.0.1, or set "
             f"allow_unauthenticated: true"

@@ -11,7 +11,7 @@ changes no state; the peer learns only that it was refused (the details go to th
 log). Nothing is ever unpickled.
 
 Requests (decode -> prefill): :class:`HandshakeRequest` (answered with :class:`AgentInfo`:
-the NIXL agent metadata and the KV pool layout), :class:`ClaimRequest` (answered with
+the transport's metadata and the KV pool layout), :class:`ClaimRequest` (answered with
 :class:`Granted` when the prefill instance holds exactly those blocks for that prompt),
 :class:`HeartbeatRequest` (answered with :class:`Renewed`) and :class:`ReleaseRequest`
 (answered with :class:`Ack`). With a secret, claims and releases carry the signed params
@@ -22,14 +22,14 @@ may succeed).
 
 from __future__ import annotations
 
-from kvferry.kv_transfer.connectors.nixl.codec import (
+from kvferry.kv_transfer.connectors.pd.codec import (
     Codec,
     Compat,
     IncompatiblePeer,
     ProtocolError,
     Unauthenticated,
 )
-from kvferry.kv_transfer.connectors.nixl.messages import (
+from kvferry.kv_transfer.connectors.pd.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Ack,
@@ -51,8 +51,8 @@ from kvferry.kv_transfer.connectors.nixl.messages import (
     Renewed,
     Seconds,
 )
-from kvferry.kv_transfer.connectors.nixl.params import ParamsProof
-from kvferry.kv_transfer.connectors.nixl.sidechannel import (
+from kvferry.kv_transfer.connectors.pd.params import ParamsProof
+from kvferry.kv_transfer.connectors.pd.sidechannel import (
     PeerUnreachable,
     SideChannelServer,
     call,

@@ -16,15 +16,15 @@ import time
 import zmq
 import zmq.asyncio
 
-from kvferry.kv_transfer.connectors.nixl.codec import Codec
-from kvferry.kv_transfer.connectors.nixl.messages import (
+from kvferry.kv_transfer.connectors.pd.codec import Codec
+from kvferry.kv_transfer.connectors.pd.messages import (
     MAX_MESSAGE_BYTES,
     PeerReply,
     PeerRequest,
 )
-from kvferry.kv_transfer.connectors.nixl.peer_table import Peer
-from kvferry.kv_transfer.connectors.nixl.sidechannel import PeerUnreachable, endpoint
-from kvferry.kv_transfer.connectors.nixl.slots import Slots
+from kvferry.kv_transfer.connectors.pd.peer_table import Peer
+from kvferry.kv_transfer.connectors.pd.sidechannel import PeerUnreachable, endpoint
+from kvferry.kv_transfer.connectors.pd.slots import Slots
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,11 @@ class GivenUp(RuntimeError):
 class PeerCalls:
     """Requests to peers over asyncio ZeroMQ sockets (the client's loop thread only)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, codec: Codec, wait: float) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, codec: Codec, wait: float, label: str = "P/D"
+    ) -> None:
         self.codec = codec
+        self.label = label  # the transport family, for logs and errors
         self._ctx = ctx
         self._wait = wait  # for a slot, and for an answer unless a call says otherwise
         self._slots = Slots(MAX_INFLIGHT)
@@ -57,7 +60,7 @@ class PeerCalls:
         say so in the log once per outage."""
         if droppable is not None and not peer.down_logged:
             peer.down_logged = True
-            logger.warning("NIXL: dropping %s to %s: %s", droppable, peer.label, why)
+            logger.warning("%s: dropping %s to %s: %s", self.label, droppable, peer.label, why)
         return GivenUp(why)
 
     async def call(
@@ -116,11 +119,11 @@ class PeerCalls:
                 data = await asyncio.wait_for(sock.recv(), timeout)
             except asyncio.TimeoutError:
                 raise PeerUnreachable(
-                    f"no answer from the NIXL side channel {where} in {timeout:g}s"
+                    f"no answer from the {self.label} side channel {where} in {timeout:g}s"
                 ) from None
             return self.codec.decode_reply(data, where, nonce)
         except zmq.ZMQError as e:
-            raise PeerUnreachable(f"NIXL side channel {where}: {e}") from None
+            raise PeerUnreachable(f"{self.label} side channel {where}: {e}") from None
         finally:
             self._socks.discard(sock)
             sock.close()

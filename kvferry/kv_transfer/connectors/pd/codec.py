@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvferry.kv_transfer.connectors.nixl.auth import (
+from kvferry.kv_transfer.connectors.pd.auth import (
     NOTIF_DOMAIN,
     EnvelopeAuth,
     NotAuthenticated,
     PeerAuth,
 )
-from kvferry.kv_transfer.connectors.nixl.messages import (
+from kvferry.kv_transfer.connectors.pd.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     ClaimRequest,
@@ -33,7 +33,7 @@ from kvferry.kv_transfer.connectors.nixl.messages import (
     Refused,
     ReleaseRequest,
 )
-from kvferry.kv_transfer.connectors.nixl.params import MAX_ID_LEN
+from kvferry.kv_transfer.connectors.pd.params import MAX_ID_LEN
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
@@ -70,7 +70,11 @@ class Compat:
         return hashlib.sha256(self.desc.encode()).hexdigest()[:32]
 
     @staticmethod
-    def of(config: EngineConfig, kv_cache_config: KVCacheConfig) -> Compat:
+    def of(
+        config: EngineConfig, kv_cache_config: KVCacheConfig, transport: str | None = None
+    ) -> Compat:
+        """``transport``: the transfer library when it is not NIXL, so instances on different
+        libraries never pair (NIXL's description predates the field and stays as it was)."""
         from kvferry.model.fingerprint import weights_fingerprint
         from kvferry.version import __version__
 
@@ -87,6 +91,7 @@ class Compat:
             f"weights={weights_fingerprint(mc.model)} dtype={dtype} "
             f"layout={layout} tp={config.parallel_config.tensor_parallel_size} "
             f"protocol={PROTOCOL_VERSION} kvferry={__version__}"
+            + (f" transport={transport}" if transport else "")
         )
 
 

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvferry.kv_transfer.connectors.nixl.handshake import (
+from kvferry.kv_transfer.connectors.pd.handshake import (
     Ack,
     ClaimRequest,
     Granted,
@@ -68,7 +68,9 @@ class LeaseTable:
         max_hold_s: float,
         clock: Callable[[], float] = time.monotonic,
         max_reader_blocks: int | None = None,
+        label: str = "P/D",
     ) -> None:
+        self.label = label  # the transport family, for logs
         self.engine_id = engine_id
         self.agent_name = agent_name
         self.lease_s = lease_s
@@ -105,7 +107,7 @@ class LeaseTable:
             )
 
     def complete(self, req_id: str, reader_engine_id: str, agent: str) -> bool:
-        """A READ-completion notification from NIXL agent ``agent``: ends the hold if that
+        """A READ-completion notification from transport agent ``agent``: ends the hold if that
         reader had claimed it."""
         with self._lock:
             hold = self._holds.get(req_id)
@@ -124,8 +126,9 @@ class LeaseTable:
                 self._end(hold, f"lease expired after {now - hold.started:.1f}s ({who})")
         for hold in expired:
             logger.warning(
-                "NIXL: freeing the blocks of %s: its lease expired after %.1fs with no "
+                "%s: freeing the blocks of %s: its lease expired after %.1fs with no "
                 "completed read (%s)",
+                self.label,
                 hold.req_id,
                 now - hold.started,
                 "claimed by engine " + hold.reader if hold.reader else "no reader came",
@@ -263,9 +266,10 @@ class LeaseTable:
             if who not in self._over:
                 self._over.add(who)
                 logger.warning(
-                    "NIXL: reader %s keeps %d blocks claimed or renewed here, the most one "
+                    "%s: reader %s keeps %d blocks claimed or renewed here, the most one "
                     "reader may (max_reader_share); its further claims wait and renewals are "
                     "ignored",
+                    self.label,
                     who,
                     had,
                 )

@@ -12,9 +12,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvferry.kv_transfer.connectors.nixl.messages import AgentInfo
-from kvferry.kv_transfer.connectors.nixl.metadata import RemoteRef
-from kvferry.kv_transfer.connectors.nixl.slots import Slots
+from kvferry.kv_transfer.connectors.pd.messages import AgentInfo
+from kvferry.kv_transfer.connectors.pd.metadata import RemoteRef
+from kvferry.kv_transfer.connectors.pd.slots import Slots
 
 Addr = tuple[str, int, str]  # a peer: side-channel host, port, and the engine id named there
 

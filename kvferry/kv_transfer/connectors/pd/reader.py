@@ -1,7 +1,7 @@
 """The decode side's reads: claim, READ, completion, failure.
 
 Per request the side-channel client (:mod:`.peers`, background threads) handshakes with the
-prefill engine and claims the request's blocks; the engine thread then loads the peer's NIXL
+prefill engine and claims the request's blocks; the engine thread then loads the peer's transport
 metadata (once per agent) and posts a non-blocking READ whose completion notification tells
 the prefill side it may free the blocks. Each step :meth:`Reader.poll` advances this; whatever
 fails (handshake, claim, transfer error, timeout, peer gone) ends the read as *failed*, so the
@@ -16,7 +16,7 @@ reported the hold ended *because this read completed*. Otherwise the lease may h
 out mid-read and the blocks been reused, so the read counts as failed rather than decode on
 someone else's KV.
 
-Loaded NIXL peers are kept per agent name, each prefill address mapping to the agent it
+Loaded transport peers are kept per agent name, each prefill address mapping to the agent it
 announced; an agent announced again with other metadata or another layout is refused, so a
 forged address cannot swap the peer a legitimate read uses.
 """
@@ -33,17 +33,23 @@ from typing import Any
 
 import zmq
 
-from kvferry.kv_transfer.connectors.nixl.agent import KVLayout, NixlTransport, RemotePeer
-from kvferry.kv_transfer.connectors.nixl.handshake import (
+from kvferry.kv_transfer.connectors.pd.handshake import (
     AgentInfo,
     Codec,
     ProtocolError,
     ReadDone,
     Renewed,
 )
-from kvferry.kv_transfer.connectors.nixl.metadata import RecvSpec, RemoteRef
-from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
-from kvferry.kv_transfer.connectors.nixl.peers import Addr, PeerClient, addr_of
+from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef
+from kvferry.kv_transfer.connectors.pd.options import PDOptions
+from kvferry.kv_transfer.connectors.pd.peers import Addr, PeerClient, addr_of
+from kvferry.kv_transfer.connectors.pd.transport import (
+    DONE,
+    PROC,
+    KVLayout,
+    KVTransport,
+    RemotePeer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +69,14 @@ class _Read:
 class Reader:
     def __init__(
         self,
-        transport: NixlTransport,
+        transport: KVTransport,
         local: KVLayout,
         codec: Codec,
         ctx: zmq.Context,  # type: ignore[type-arg]
         engine_id: str,
-        opts: NixlOptions,
+        opts: PDOptions,
         stats: dict[str, float],
+        label: str = "P/D",
     ) -> None:
         self.transport = transport
         self.local = local
@@ -78,18 +85,21 @@ class Reader:
         self.engine_id = engine_id
         self.opts = opts
         self.stats = stats
-        self.peers = PeerClient(ctx, codec, engine_id, transport.name, local, opts)
+        self.label = label  # the transport family, for logs and errors
+        self.peers = PeerClient(ctx, codec, engine_id, transport.name, local, opts, label)
         self._reads: dict[str, _Read] = {}
         self._agents: dict[str, tuple[RemotePeer, AgentInfo]] = {}  # agent name -> loaded
         self._addr_agent: dict[Addr, str] = {}  # prefill address -> the agent it announced
         self._retired: list[RemotePeer] = []
-        self._stuck: list[Any] = []  # handles NIXL would not release yet
+        self._stuck: list[Any] = []  # handles the transport would not release yet
         self._draining: dict[str, tuple[_Read, str, float]] = {}  # failed, READ not cancelled
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._lock = threading.Lock()  # _reads membership and the held_until fields
         self._stop = threading.Event()
-        self._beater = threading.Thread(target=self._beat, name="nixl-heartbeat", daemon=True)
+        self._beater = threading.Thread(
+            target=self._beat, name=f"{label.lower()}-heartbeat", daemon=True
+        )
         self._beater.start()
 
     # -- engine thread ---------------------------------------------------------------------
@@ -119,13 +129,14 @@ class Reader:
                     self._post(rd, info)
                 state = self.transport.state(rd.handle)
             except Exception as e:
-                why = f"NIXL transfer error (is the prefill instance gone?): {e!r}"
+                why = f"{self.label} transfer error (is the prefill instance gone?): {e!r}"
                 self._finish(req_id, rd, why, transport_error=True)
                 continue
-            if state == "DONE":
+            if state == DONE:
                 self._finish(req_id, rd, self._untrusted(rd, time.monotonic()))
-            elif state != "PROC":
-                self._finish(req_id, rd, "NIXL reports the READ failed", transport_error=True)
+            elif state != PROC:
+                why = f"{self.label} reports the READ failed"
+                self._finish(req_id, rd, why, transport_error=True)
             elif now - rd.posted > self.opts.transfer_timeout:
                 self._finish(req_id, rd, f"READ still running after {self.opts.transfer_timeout}s")
         self._drain(now)
@@ -147,7 +158,7 @@ class Reader:
         return done, failed
 
     def peer(self, engine_id: str) -> RemotePeer | None:
-        """The loaded NIXL peer of a prefill engine, once a read from it was posted."""
+        """The loaded transport peer of a prefill engine, once a read from it was posted."""
         return next((p for p, i in self._agents.values() if i.engine_id == engine_id), None)
 
     def busy(self) -> bool:
@@ -198,7 +209,7 @@ class Reader:
             self._forget(addr_of(remote))
         if rd.handle is not None and not self.transport.release(rd.handle):
             if error is not None:
-                # NIXL could not cancel the READ, which may still write into the request's
+                # The transport could not cancel the READ, which may still write into the request's
                 # blocks: report it (and so let the blocks go) only once the handle is
                 # released, or after another transfer_timeout at the latest.
                 deadline = time.monotonic() + self.opts.transfer_timeout
@@ -213,7 +224,9 @@ class Reader:
             if released or now >= deadline:
                 del self._draining[req_id]
                 if not released:
-                    logger.error("NIXL: READ of %s cannot be cancelled; freeing anyway", req_id)
+                    logger.error(
+                        "%s: READ of %s cannot be cancelled; freeing anyway", self.label, req_id
+                    )
                     self._stuck.append(rd.handle)
                 self._report(req_id, rd, error, released=released)
         self._stuck = [h for h in self._stuck if not self.transport.release(h)]
@@ -231,8 +244,9 @@ class Reader:
         self._failed.add(req_id)
         self.stats["failed_reads"] += 1
         logger.warning(
-            "NIXL: loading the KV of request %s from engine %s at %s:%d failed: %s "
+            "%s: loading the KV of request %s from engine %s at %s:%d failed: %s "
             "(kv_load_failure_policy applies)",
+            self.label,
             req_id,
             remote.engine_id,
             remote.host,
@@ -245,18 +259,18 @@ class Reader:
             self.release(remote, rd.spec.remote_block_ids)
 
     def _fail_now(self, req_id: str, reason: str) -> None:
-        logger.warning("NIXL: request %s cannot load remote KV: %s", req_id, reason)
+        logger.warning("%s: request %s cannot load remote KV: %s", self.label, req_id, reason)
         self.stats["failed_reads"] += 1
         self._done.add(req_id)
         self._failed.add(req_id)
 
     def _load(self, addr: Addr, info: AgentInfo) -> RemotePeer:
-        """The NIXL peer of the agent ``info`` announces at ``addr``, loaded once per agent."""
+        """The transport peer of the agent ``info`` announces at ``addr``, loaded once per agent."""
         name = info.agent_name
         loaded = self._agents.get(name)
         if loaded is not None and loaded[1] != info:
             raise ProtocolError(
-                f"NIXL agent {name!r} was announced before with other metadata or layout"
+                f"{self.label} agent {name!r} was announced before with other metadata or layout"
             )
         if loaded is None:
             loaded = self._agents[name] = (self.transport.add_peer(info), info)

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import zmq
 
-from kvferry.kv_transfer.connectors.nixl.codec import Codec, ProtocolError
-from kvferry.kv_transfer.connectors.nixl.messages import (
+from kvferry.kv_transfer.connectors.pd.codec import Codec, ProtocolError
+from kvferry.kv_transfer.connectors.pd.messages import (
     MAX_MESSAGE_BYTES,
     PeerReply,
     PeerRequest,
@@ -46,7 +46,9 @@ class SideChannelServer:
         port: int,
         codec: Codec,
         handler: Callable[[PeerRequest, str], PeerReply],
+        label: str = "P/D",
     ) -> None:
+        self.label = label  # the transport family, for logs and errors
         self._codec = codec
         self._handler = handler
         sock = ctx.socket(zmq.ROUTER)
@@ -57,7 +59,7 @@ class SideChannelServer:
         except zmq.ZMQError as e:
             sock.close()
             raise RuntimeError(
-                f"NIXL side channel cannot listen on {endpoint(host, port)}: {e}"
+                f"{label} side channel cannot listen on {endpoint(host, port)}: {e}"
             ) from None
         last = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.endpoint = last  # what it listens on: the configured host, never more
@@ -65,7 +67,9 @@ class SideChannelServer:
         self.port = int(last.rsplit(":", 1)[1])
         self._sock = sock
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nixl-side-channel", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{label.lower()}-side-channel", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -100,15 +104,17 @@ class SideChannelServer:
             request = codec.request_of(env, peer)
             reply = self._handler(request, peer)
         except ProtocolError as e:
-            logger.warning("NIXL side channel refused a request: %s", e)
+            logger.warning("%s side channel refused a request: %s", self.label, e)
             if e.public is not None:
                 return codec.encode_reply(Refused(e.public), nonce)
             return codec.encode_reply(Refused(str(e)[:2048]), nonce)
         except Exception as e:  # a bug here must not kill the side channel
-            logger.exception("NIXL side channel failed to answer")
+            logger.exception("%s side channel failed to answer", self.label)
             return codec.encode_reply(Refused(f"internal error: {type(e).__name__}"), nonce)
         if isinstance(reply, Refused) and not reply.retry:
-            logger.warning("NIXL side channel refused %s: %s", type(request).__name__, reply.reason)
+            logger.warning(
+                "%s side channel refused %s: %s", self.label, type(request).__name__, reply.reason
+            )
         return codec.encode_reply(reply, nonce)
 
     def close(self) -> None:
@@ -123,6 +129,7 @@ def call(
     codec: Codec,
     request: PeerRequest,
     timeout_s: float,
+    label: str = "P/D",
 ) -> PeerReply:
     """Send one request to a side channel and return its typed reply.
 
@@ -137,9 +144,9 @@ def call(
         frame, nonce = codec.encode_request(request)
         sock.send(frame)
         if not sock.poll(int(timeout_s * 1000)):
-            raise PeerUnreachable(f"no answer from the NIXL side channel {peer} in {timeout_s}s")
+            raise PeerUnreachable(f"no answer from the {label} side channel {peer} in {timeout_s}s")
         return codec.decode_reply(sock.recv(), peer, nonce)
     except zmq.ZMQError as e:
-        raise PeerUnreachable(f"NIXL side channel {peer}: {e}") from None
+        raise PeerUnreachable(f"{label} side channel {peer}: {e}") from None
     finally:
         sock.close()
