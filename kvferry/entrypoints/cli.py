@@ -308,7 +308,8 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
         metavar="MEDIUM",
         default=[],
         help="kv_aware: KV event media of a store every instance reads (e.g. the medium "
-        "of MooncakeStoreConnector's events): a block announced there by any instance "
+        "of MooncakeStoreConnector's events: cpu, lowercase; exact strings): a block announced "
+        "there by any instance "
         "counts for all of them",
     )
     g.add_argument(

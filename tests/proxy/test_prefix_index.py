@@ -99,7 +99,7 @@ def test_memory_is_capped_least_recently_used_first() -> None:
 
 
 def test_a_shared_medium_matches_on_every_instance() -> None:
-    idx = PrefixIndex(shared_media=["storage"])
+    idx = PrefixIndex(shared_media=[MEDIUM_STORAGE])
     # "a" stored the prompt in the shared store and keeps block 11 in its own pool too.
     idx.apply("a", batch(stored([11, 12, 13], TOKENS, BS, medium=MEDIUM_STORAGE)))
     idx.apply("a", batch(stored([11], TOKENS[:4], BS, medium=MEDIUM_GPU)))
@@ -113,6 +113,12 @@ def test_a_shared_medium_matches_on_every_instance() -> None:
     assert idx.match("a", TOKENS).weighted_tokens == 12 * 0.25
     idx.apply("b", batch(BlockRemoved(block_hashes=[12], medium=MEDIUM_STORAGE)))
     assert idx.match("a", TOKENS).blocks == 1 == idx.match("b", TOKENS).blocks
+    # Exact strings: "cpu" (a shared Mooncake Store, as vLLM names it) is not the host tier "CPU".
+    lower = PrefixIndex(shared_media=["cpu"])
+    lower.apply("a", batch(stored([11, 12, 13], TOKENS, BS, medium=MEDIUM_CPU)))
+    assert lower.match("b", TOKENS).blocks == 0
+    lower.apply("a", batch(stored([11, 12, 13], TOKENS, BS, medium="cpu")))
+    assert lower.match("b", TOKENS).weighted_tokens == 12 * 0.5
     # Without a shared medium, storage stays per instance.
     own = PrefixIndex()
     own.apply("a", batch(stored([11, 12, 13], TOKENS, BS, medium=MEDIUM_STORAGE)))

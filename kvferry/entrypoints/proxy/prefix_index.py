@@ -85,7 +85,9 @@ class PrefixIndex:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.max_blocks = max_blocks
-        self.shared_media = frozenset(m.upper() for m in shared_media)
+        # Exact strings: vLLM's MooncakeStoreConnector announces its store as "cpu", its
+        # (and kvferry's) own host tiers as "CPU".
+        self.shared_media = frozenset(shared_media)
         self._lock = threading.Lock()
         self._instances: dict[str, _Instance] = {}
         self._shared = _Instance()
@@ -105,7 +107,7 @@ class PrefixIndex:
                     inst.by_tokens.clear()
 
     def _target(self, inst: _Instance, medium: str | None) -> _Instance:
-        shared = medium is not None and medium.upper() in self.shared_media
+        shared = medium is not None and medium in self.shared_media
         return self._shared if shared else inst
 
     def drop(self, instance: str) -> None:
