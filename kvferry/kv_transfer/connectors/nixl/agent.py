@@ -46,6 +46,7 @@ class RemotePeer:
     dlist: Any  # nixl_prepped_dlist_handle
 
 
+UCX_MODULES_DEFAULT = "^*efa*"
 _SIOCGIFADDR = 0x8915
 _AGENT_CONFIG_LOCK = threading.Lock()
 
@@ -129,6 +130,11 @@ class NixlTransport:
         progress_interval: float = 0.01,
         bind_host: str | None = None,
     ) -> None:
+        # NIXL's UCX loads its EFA module, which pulls in the system's libibverbs and a second
+        # libnl-route next to the wheel's; their exit handlers then crash the process
+        # (SIGSEGV at interpreter exit) wherever libibverbs1 is installed, as Mooncake needs.
+        # EFA exists only on AWS; UCX_MODULES set by the user wins.
+        os.environ.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)
         try:
             from nixl import _api
             from nixl._api import nixl_agent, nixl_agent_config

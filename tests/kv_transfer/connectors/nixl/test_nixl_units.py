@@ -337,3 +337,23 @@ def test_read_completed_after_the_confirmed_hold_is_not_trusted():
     reader.poll()
     assert reader.take() == ({"r"}, set()) and reader.stats["reads"] == 1
     reader.shutdown()
+
+
+def test_a_process_with_a_nixl_agent_exits_cleanly() -> None:
+    # With the system's libibverbs installed (Mooncake needs it), UCX's EFA module used to
+    # crash every NIXL process at exit (SIGSEGV).
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from kvferry.kv_transfer.connectors.nixl.agent import NixlTransport\n"
+        "t = NixlTransport('exit-check', ['UCX'])\n"
+        "t.close()\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
