@@ -135,3 +135,30 @@ def test_corrupt_and_short_values_are_misses(model_dir, reference, mooncake_mast
     assert second["stats"]["corrupt_chunks"] == 2
     # Third prompt intact: still a full hit.
     assert second["stats"]["get_chunks"] >= 4
+
+
+def test_events_announce_what_the_store_holds(model_dir, reference, mooncake_master):
+    from kvferry.kv_events import BlockStored, external_block_hash
+    from tests.helpers.kv_events import RecordingPublisher
+    from tests.helpers.ports import _dead_port
+
+    args = engine_args(model_dir, store_kv(mooncake_master))
+    endpoint = f"tcp://127.0.0.1:{_dead_port()}"
+    llm = LLM(**args, kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint})
+    sched = llm.engine.scheduler
+    sched.close_kv_event_publisher()  # the test reads the batches straight from the engine
+    pub = RecordingPublisher()
+    sched.kv_event_publisher = pub
+    outputs, _ = generate(llm, PROMPTS)
+    keys = list(_scheduler(llm).stored_keys)
+    drain(llm)
+    assert outputs == reference
+    events = pub.take()
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "cpu"]
+    # One event per stored chunk, naming its blocks (with their tokens), once each.
+    assert len(stored) == len(keys) == FULL_HIT // CHUNK_TOKENS
+    announced = [h for e in stored for h in e.block_hashes]
+    assert len(announced) == len(set(announced)) == len(keys) * 2
+    assert all(len(e.token_ids) == 2 * 16 for e in stored)
+    hashes = _scheduler(llm).stored_keys
+    assert sorted(announced) == sorted(external_block_hash(h) for k in keys for h in hashes[k])

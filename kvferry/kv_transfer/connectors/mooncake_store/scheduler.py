@@ -243,6 +243,7 @@ class MooncakeStoreScheduler(SchedulerHalf):
                         request.cache_salt,
                     )  # fmt: skip
                 )
+                hashes.append(list(request.block_hashes[chunk * self.bpc : (chunk + 1) * self.bpc]))
         self._jobs[job.job_id] = _StoreRecord([c.key for c in job.chunks], events, hashes)
         self._pending_store_chunks += len(job.chunks)
         rec.had_store = True
