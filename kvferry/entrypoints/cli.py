@@ -355,7 +355,10 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     from kvferry.entrypoints.demo import add_demo_args
 
-    p = sub.add_parser("demo", help="demos; 'pd': prefill/decode disaggregation on localhost")
+    p = sub.add_parser(
+        "demo",
+        help="demos; 'pd': prefill/decode disaggregation, 'shared': instances sharing KV through a Mooncake Store",
+    )
     add_demo_args(p)
 
 

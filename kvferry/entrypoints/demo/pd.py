@@ -17,135 +17,27 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvferry.config import ConfigError
+from kvferry.entrypoints.demo.processes import (
+    Instance,
+    scrape,
+    start,
+    stop,
+    transfer_summary,
+    wait_healthy,
+    wait_listening,
+)
 
 PROMPTS = [
     "Write one sentence about a ferry crossing a river at dawn.",
     "Name three things a cache is good for.",
     "Describe the sound of rain on a tin roof.",
 ]
-
-
-@dataclass
-class Instance:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    url: str = ""
-
-
-def start(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Instance:
-    """Start ``python -m kvferry ARGV`` with output in ``log_dir/NAME.log``."""
-    log = log_dir / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvferry", *argv],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    return Instance(name, proc, log)
-
-
-def wait_listening(inst: Instance, timeout: float = 180.0) -> str:
-    """The URL the instance prints once it listens; ConfigError if it dies or times out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = inst.log.read_text(errors="replace") if inst.log.exists() else ""
-        for line in text.splitlines():
-            if " listening on " in line:
-                inst.url = line.rsplit(" ", 1)[-1].strip()
-                return inst.url
-        if inst.proc.poll() is not None:
-            tail = "\n".join(text.splitlines()[-15:])
-            raise ConfigError(f"{inst.name} exited with code {inst.proc.returncode}:\n{tail}")
-        time.sleep(0.05)
-    raise ConfigError(f"{inst.name} did not start within {timeout:.0f}s (log: {inst.log})")
-
-
-def wait_healthy(url: str, timeout: float = 120.0, inst: Instance | None = None) -> None:
-    """Wait for ``url/health`` to answer 200; ConfigError on timeout or if ``inst`` dies."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if inst is not None and inst.proc.poll() is not None:
-            tail = "\n".join(inst.log.read_text(errors="replace").splitlines()[-15:])
-            raise ConfigError(f"{inst.name} exited with code {inst.proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(url + "/health", timeout=5.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise ConfigError(f"{url}/health did not turn healthy within {timeout:.0f}s")
-
-
-def stop(instances: list[Instance], timeout: float = 15.0) -> None:
-    for inst in instances:
-        if inst.proc.poll() is None:
-            inst.proc.terminate()
-    deadline = time.monotonic() + timeout
-    for inst in instances:
-        try:
-            inst.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            inst.proc.kill()
-            inst.proc.wait()
-
-
-_IMPLIED = ("model_name", "engine")
-
-
-def scrape(url: str) -> dict[str, float]:
-    """``/metrics`` as ``{"name{label=value,...}": value}`` (labels sorted, without the
-    ``model_name`` and ``engine`` every server series carries)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=10.0, trust_env=False).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in _IMPLIED)
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
-def connector_stats(metrics: dict[str, float]) -> dict[str, float]:
-    """The connector's stats from scraped metrics: counters, and sums of sample lists."""
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        for prefix in ("kvferry_kv_connector_total{", "kvferry_kv_connector_samples_sum{"):
-            if key.startswith(prefix):
-                stat = key[len(prefix) : -1].removeprefix("stat=")
-                out[stat] = out.get(stat, 0.0) + value
-    return out
-
-
-def transfer_summary(metrics: dict[str, float]) -> str:
-    """Bytes and bandwidth the connector reported, or an estimate from external hits."""
-    stats = connector_stats(metrics)
-    nbytes = sum(v for k, v in stats.items() if "bytes" in k)
-    secs = sum(v for k, v in stats.items() if any(w in k for w in ("duration", "seconds")))
-    if nbytes > 0:
-        bw = f" in {secs * 1e3:.1f} ms = {nbytes / secs / 1e6:.1f} MB/s" if secs > 0 else ""
-        return f"connector moved {nbytes / 1e6:.3f} MB{bw}"
-    hits = metrics.get("vllm:external_prefix_cache_hits_total", 0.0)
-    per_tok = metrics.get("kvferry_kv_cache_bytes_per_token", 0.0)
-    detail = f" ({', '.join(f'{k}={v:g}' for k, v in sorted(stats.items()))})" if stats else ""
-    return (
-        f"no byte counts reported{detail}; {hits:.0f} external hit tokens "
-        f"= ~{hits * per_tok / 1e6:.3f} MB of KV"
-    )
 
 
 def _chat(base_url: str, model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
@@ -220,7 +112,10 @@ def run_pd(args: argparse.Namespace) -> int:
     if p_kv is d_kv and "kv_port" not in p_kv:
         # Two instances on one host need two side-channel ports.
         p_kv, d_kv = {**p_kv, "kv_port": 14579}, {**d_kv, "kv_port": 14589}
-    extra = shlex.split(args.server_args or "")
+    server_args = args.server_args
+    if server_args is None:
+        server_args = "--kv-cache-memory 256MiB"
+    extra = shlex.split(server_args)
     common = [str(model), "--port", "0", "--served-model-name", "demo", *extra]
     print(f"kvferry demo pd: model {model}, logs in {log_dir}")
     print(f"  prefill connector: {json.dumps(p_kv)}\n  decode connector:  {json.dumps(d_kv)}")
@@ -273,19 +168,3 @@ def exercise(
         print(f"{name} instance: {transfer_summary(scrape(url))}")
     print("all answers match the single-instance run" if ok else "MISMATCH against single run")
     return 0 if ok else 1
-
-
-def add_demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=["pd"], help="pd: prefill/decode disaggregation")
-    p.add_argument("--model", default="models/tiny-llama", help="model folder (made if missing)")
-    p.add_argument("--kv-transfer-config", default=None, help="connector JSON for both instances")
-    p.add_argument("--prefill-kv-transfer-config", default=None)
-    p.add_argument("--decode-kv-transfer-config", default=None)
-    p.add_argument("--num-requests", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument(
-        "--server-args",
-        default="--kv-cache-memory 256MiB",
-        help="extra flags for both servers (default: '--kv-cache-memory 256MiB')",
-    )
-    p.set_defaults(func=run_pd)
