@@ -2,29 +2,33 @@
 
 Header (little endian, :data:`HEADER_BYTES` bytes)::
 
-    magic     8 bytes  b"KVFMC01C" (CRC32) | b"KVFMC01K" (keyed BLAKE2b)
+    magic     8 bytes  b"KVFMC02X" (XXH3-128) | b"KVFMC02K" (keyed BLAKE3)
     namespace 16 bytes digest of the key namespace (model, layout, ...)
     key       16 bytes digest of the store key the value was written under
     length    u64      payload bytes
-    check     32 bytes CRC32 of the payload (u32, zero padded) | BLAKE2b-256 keyed with the
+    check     32 bytes XXH3-128 of the payload (zero padded) | BLAKE3-256 keyed with the
                        deployment secret's store key, over the 48 bytes above and the payload
     payload            per layer, keys then values, each (blocks, block_size, heads, head_dim)
 
 A value that is short, long, of another namespace or key, or whose check does not match is
-refused (:class:`CorruptValue`) and the chunk treated as a miss. The CRC32 catches accidental
+refused (:class:`CorruptValue`) and the chunk treated as a miss. The XXH3 hash catches accidental
 damage (truncation, bit flips, a value of another layout); only the keyed check also stops a
 deliberate rewrite by someone who can write to the store, so configure a deployment secret
 (``kvferry.kv_transfer.secret``) whenever others share the store's master.
+
+Both are several times faster than CRC32 or keyed BLAKE2b (measured in docs/benchmarks.md,
+"Shared KV stores"), so checking a loaded value costs a fraction of getting it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
-import zlib
 
-MAGIC_CRC = b"KVFMC01C"
-MAGIC_KEYED = b"KVFMC01K"
+import blake3
+import xxhash
+
+MAGIC_CRC = b"KVFMC02X"  # the unkeyed check (the name is kept for the callers)
+MAGIC_KEYED = b"KVFMC02K"
 HEADER = struct.Struct("<8s16s16sQ32s")
 HEADER_BYTES = HEADER.size
 _CHECKED_PREFIX = 8 + 16 + 16 + 8
@@ -48,12 +52,12 @@ class ChunkCodec:
 
     @property
     def check_name(self) -> str:
-        return "keyed-blake2b" if self.key is not None else "crc32"
+        return "keyed-blake3" if self.key is not None else "xxh3-128"
 
     def _check(self, prefix: bytes | memoryview, payload: memoryview) -> bytes:
         if self.key is None:
-            return zlib.crc32(payload).to_bytes(4, "little") + bytes(28)
-        h = hashlib.blake2b(key=self.key, digest_size=32, person=b"kvferry-mc-val")
+            return xxhash.xxh3_128_digest(payload) + bytes(16)
+        h = blake3.blake3(key=self.key)
         h.update(prefix)
         h.update(payload)
         return h.digest()
