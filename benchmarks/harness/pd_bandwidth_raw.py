@@ -130,6 +130,7 @@ def mooncake_contiguous_read(
 
 def scratch_pattern(nbytes: int, seed: int) -> bytes:
     """Seeded bytes for the contiguous buffers, so a read can be checked."""
-    import random
+    import numpy as np
 
-    return random.Random(seed).randbytes(nbytes)
+    # random.randbytes cannot make more than 256 MiB at once.
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
