@@ -145,14 +145,11 @@ class OffloadHarness:
         ctx: Any = SimpleNamespace()
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
-        if so.has_sync_kv_loads:
-            w.start_load_kv(ctx)
+        w.start_load_kv(ctx)  # before the forward on every step, as the engine (and vLLM) does
         if self.before_forward is not None:
             self.before_forward(so)
         ro = self.fake.execute(so)
         self._forward(so)
-        if not so.has_sync_kv_loads:
-            w.start_load_kv(ctx)
         w.wait_for_save()
         sending, recving = w.get_finished(so.finished_req_ids)
         out = KVConnectorOutput(
