@@ -106,4 +106,12 @@ def builtin_configs(workdir: str | Path) -> dict[str, dict[str, Any]]:
             kv_lease_duration=4.0,
             heartbeat_interval=0.5,
         ),  # fmt: skip
+        "MooncakeConnector": kv(
+            "MooncakeConnector",
+            side_channel_port=0,
+            handshake_timeout=1.5,
+            transfer_timeout=10.0,
+            kv_lease_duration=4.0,
+            heartbeat_interval=0.5,
+        ),  # fmt: skip
     }

@@ -1,5 +1,6 @@
-"""The conformance kit on the NixlConnector: a prefill and a decode engine in this process,
-the KV read over NIXL (UCX on loopback) and the params handed over as a proxy would."""
+"""The conformance kit on the P/D connectors: a prefill and a decode engine in this process,
+the KV read over NIXL (UCX on loopback) or Mooncake's transfer engine (TCP on loopback), and
+the params handed over as a proxy would."""
 
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ def harness() -> Iterator[Harness]:
     h.close()
 
 
-def test_nixl_prefill_decode_scenarios(harness: Harness, tmp_path: Path) -> None:
-    report = run_conformance(builtin_configs(tmp_path)["NixlConnector"], harness=harness)
+@pytest.mark.parametrize("name", ["NixlConnector", "MooncakeConnector"])
+def test_pd_connector_scenarios(harness: Harness, tmp_path: Path, name: str) -> None:
+    if name == "MooncakeConnector":
+        pytest.importorskip("mooncake.engine", reason="needs Mooncake (extra 'mooncake')")
+    report = run_conformance(builtin_configs(tmp_path)[name], harness=harness)
     status = {r.scenario: r for r in report.results}
     assert report.ok, report.to_text()
     for name in PASSES:
