@@ -265,23 +265,28 @@ class StoreTransfers:
         codes: list[int],
     ) -> int | None:
         """Check and copy in the chunks ``idx`` of ``part``; None when all loaded, else the
-        index of the first chunk that failed (-1: the load was abandoned)."""
+        index of the first chunk that failed (-1: the load was abandoned). The chunks before
+        a failed one are still copied in."""
+        good: list[int] = []
+        failed: int | None = None
         for i, code in zip(idx, codes, strict=True):
-            value = slots[i][1]
-            bad = self._check(keys[i], code, value)
+            bad = self._check(keys[i], code, slots[i][1])
             if bad is not None:
                 self._stat("load_failed_chunks", 1)
                 if bad:
                     logger.warning("MooncakeStoreConnector: %s (%s); the chunk is a miss",
                                    bad, keys[i])  # fmt: skip
-                return i
+                failed = i
+                break
+            good.append(i)
+        if good:
             with self._lock:
                 if load.abandoned:
                     return -1
-                self._copy_in(part[i], value)
-            self._stat("get_bytes", code)
-            self._stat("get_chunks", 1)
-        return None
+                self._copy_in([part[i] for i in good], [slots[i][1] for i in good])
+            self._stat("get_bytes", sum(codes[i - idx.start] for i in good))
+            self._stat("get_chunks", len(good))
+        return failed
 
     def _check(self, key: str, code: int, value: torch.Tensor) -> str | None:
         """None when the value is good; "" for a plain miss, else what was wrong."""
@@ -299,13 +304,13 @@ class StoreTransfers:
             return f"corrupt store value: {e}"
         return None
 
-    def _copy_in(self, chunk: ChunkIO, value: torch.Tensor) -> None:
-        payload = self._payload(value)
-        lo, hi = chunk.first_block, chunk.first_block + len(chunk.block_ids)
-        ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=self.device)
-        for layer, kv in enumerate(self.kv):
-            src = payload[layer][:, lo:hi]
-            kv.index_copy_(1, ids, src.to(self.device, non_blocking=False))
+    def _copy_in(self, chunks: list[ChunkIO], values: list[torch.Tensor]) -> None:
+        for chunk, value in zip(chunks, values, strict=True):
+            payload = self._payload(value)
+            lo, hi = chunk.first_block, chunk.first_block + len(chunk.block_ids)
+            ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=self.device)
+            for layer, kv in enumerate(self.kv):
+                kv.index_copy_(1, ids, payload[layer][:, lo:hi].to(self.device))
 
     # -- stores (store thread) --------------------------------------------------------------
     def _store_loop(self) -> None:
