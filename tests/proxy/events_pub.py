@@ -45,12 +45,19 @@ def stored(
 class TestPublisher:
     __test__ = False
 
-    def __init__(self, topic: str = "", replay: bool = True) -> None:
+    def __init__(
+        self, topic: str = "", replay: bool = True, endpoints: tuple[str, str | None] | None = None
+    ) -> None:
+        """``endpoints``: bind there (a restarted instance on its old ports), else anywhere."""
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if endpoints is None:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
+        else:
+            self.endpoint = endpoints[0]
+            self.pub.bind(self.endpoint)
         self.topic = topic.encode()
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
@@ -62,8 +69,12 @@ class TestPublisher:
         if replay:
             self.router = self.ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
-            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
-            self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+            if endpoints is None or endpoints[1] is None:
+                rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+                self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+            else:
+                self.replay_endpoint = endpoints[1]
+                self.router.bind(self.replay_endpoint)
             self._thread = threading.Thread(target=self._serve_replay, daemon=True)
             self._thread.start()
 

@@ -12,7 +12,10 @@ rules per instance:
   hold removals we never saw;
 - a number not above the last one on the live stream: the publisher restarted; the index is
   dropped and rebuilt from the new publisher's replay (from 0);
-- ``resync(instance)`` (the proxy saw the instance come back after being down) does the same.
+- ``resync(instance)`` (the proxy saw the instance come back after being down) does the same;
+- the SUB socket (re)connected: batches published while it was not connected (a restarted
+  publisher's first ones, or during a network blip) never arrive live, and no later batch
+  may come to reveal the gap, so the batches from the next expected number are asked for.
 
 Bad frames and undecodable payloads are counted and dropped; nothing here raises into the
 proxy. An instance is *synced* except while a replay for it is in flight.
@@ -27,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvferry.entrypoints.proxy.prefix_index import PrefixIndex
 from kvferry.entrypoints.proxy.routing_metrics import RoutingMetrics
@@ -54,6 +58,8 @@ class EventSource:
 class _State:
     src: EventSource
     sub: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None
+    connects: int = 0
     dealer: zmq.Socket | None = None
     last_seq: int | None = None
     replay_from: int = 0
@@ -115,6 +121,9 @@ class KVEventSubscriber:
                 st.sub = self._ctx.socket(zmq.SUB)
                 st.sub.setsockopt(zmq.LINGER, 0)
                 st.sub.setsockopt(zmq.SUBSCRIBE, st.src.topic.encode())
+                if st.src.replay_endpoint:
+                    st.monitor = st.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+                    self._poller.register(st.monitor, zmq.POLLIN)
                 st.sub.connect(st.src.endpoint)
                 self._poller.register(st.sub, zmq.POLLIN)
                 if st.src.replay_endpoint:
@@ -134,6 +143,8 @@ class KVEventSubscriber:
             self._drop(self._states[instance], cause)
         ready = dict(self._poller.poll(50))
         for st in self._states.values():
+            if st.monitor is not None and st.monitor in ready:
+                self._on_monitor(st)
             if st.sub is not None and st.sub in ready:
                 for frames in self._drain(st.sub):
                     self._on_live(st, frames)
@@ -145,6 +156,21 @@ class KVEventSubscriber:
             if st.replay_deadline is not None and time.monotonic() > st.replay_deadline:
                 logger.warning(fmt_fields("kv event replay timed out", instance=st.src.instance))
                 self._finish_replay(st, complete=False)
+
+    def _on_monitor(self, st: _State) -> None:
+        assert st.monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(st.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event.get("event") != zmq.EVENT_CONNECTED:
+                continue
+            # Every connection, the first included: the publisher may have started after the
+            # replay asked for with the socket (duplicates are skipped by sequence number).
+            st.connects += 1
+            start = 0 if st.last_seq is None else st.last_seq + 1
+            self._start_replay(st, start, gap=st.last_seq is not None)
 
     @staticmethod
     def _drain(sock: zmq.Socket) -> list[list[bytes]]:
