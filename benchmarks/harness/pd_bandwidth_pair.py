@@ -220,11 +220,6 @@ def _child(script: str, args: argparse.Namespace, extra: list[str]) -> subproces
     env = {**os.environ}
     if args.device == "cpu":
         env.setdefault("UCX_NET_DEVICES", "lo")  # one host: UCX over loopback
-    # UCX's EFA module (in NIXL's wheel) links the system's libefa, which pulls in the
-    # system's libibverbs and libnl-route beside the wheel's own copies; the two libnl-route
-    # copies crash the process at exit (SIGSEGV in rtnl_tc_unregister) once libibverbs1 is
-    # installed, as Mooncake needs. No EFA device is used here.
-    env.setdefault("UCX_MODULES", "^*efa*")
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 

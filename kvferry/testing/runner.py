@@ -83,6 +83,10 @@ def builtin_configs(workdir: str | Path) -> dict[str, dict[str, Any]]:
     def kv(name: str, **extra: Any) -> dict[str, Any]:
         return {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
+    pd_timing: dict[str, Any] = dict(side_channel_port=0, handshake_timeout=1.5,
+                                     transfer_timeout=10.0, kv_lease_duration=4.0,
+                                     heartbeat_interval=0.5)  # fmt: skip
+
     return {
         "ExampleConnector": kv("ExampleConnector", shared_storage_path=str(d / "example")),
         "SimpleCPUOffloadConnector": kv("SimpleCPUOffloadConnector", num_cpu_blocks=128),
@@ -98,20 +102,6 @@ def builtin_configs(workdir: str | Path) -> dict[str, dict[str, Any]]:
             ],
         ),  # fmt: skip
         # Short lease and timeouts: an abandoned prefill frees its blocks within seconds.
-        "NixlConnector": kv(
-            "NixlConnector",
-            side_channel_port=0,
-            handshake_timeout=1.5,
-            transfer_timeout=10.0,
-            kv_lease_duration=4.0,
-            heartbeat_interval=0.5,
-        ),  # fmt: skip
-        "MooncakeConnector": kv(
-            "MooncakeConnector",
-            side_channel_port=0,
-            handshake_timeout=1.5,
-            transfer_timeout=10.0,
-            kv_lease_duration=4.0,
-            heartbeat_interval=0.5,
-        ),  # fmt: skip
+        "NixlConnector": kv("NixlConnector", **pd_timing),
+        "MooncakeConnector": kv("MooncakeConnector", **pd_timing),
     }

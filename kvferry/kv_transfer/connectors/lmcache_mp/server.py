@@ -65,10 +65,7 @@ class LMCacheServer:
         if self.alive():
             self.proc.kill()
         self.proc.wait(timeout=30)
-        _unlink_shm(self.shm_name)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self._cleanup()
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.alive():
@@ -76,8 +73,11 @@ class LMCacheServer:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+                self.kill()
+                return
+        self._cleanup()
+
+    def _cleanup(self) -> None:
         _unlink_shm(self.shm_name)
         if self._log is not None:
             self._log.close()
