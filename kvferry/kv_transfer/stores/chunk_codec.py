@@ -27,7 +27,7 @@ import struct
 import blake3
 import xxhash
 
-MAGIC_CRC = b"KVFMC02X"  # the unkeyed check (the name is kept for the callers)
+MAGIC_HASH = b"KVFMC02X"
 MAGIC_KEYED = b"KVFMC02K"
 HEADER = struct.Struct("<8s16s16sQ32s")
 HEADER_BYTES = HEADER.size
@@ -51,6 +51,10 @@ class ChunkCodec:
         return HEADER_BYTES + self.payload_bytes
 
     @property
+    def _magic(self) -> bytes:
+        return MAGIC_KEYED if self.key is not None else MAGIC_HASH
+
+    @property
     def check_name(self) -> str:
         return "keyed-blake3" if self.key is not None else "xxh3-128"
 
@@ -65,7 +69,7 @@ class ChunkCodec:
     def seal(self, value: memoryview, key_digest: bytes) -> None:
         """Write the header into ``value[:HEADER_BYTES]`` for the payload after it."""
         payload = value[HEADER_BYTES : self.value_bytes]
-        magic = MAGIC_KEYED if self.key is not None else MAGIC_CRC
+        magic = self._magic
         prefix = struct.pack("<8s16s16sQ", magic, self.namespace_digest, key_digest, len(payload))
         HEADER.pack_into(
             value,
@@ -82,7 +86,7 @@ class ChunkCodec:
         if nbytes != self.value_bytes:
             raise CorruptValue(f"value has {nbytes} bytes, expected {self.value_bytes}")
         magic, ns, kd, length, check = HEADER.unpack_from(value, 0)
-        if magic != (MAGIC_KEYED if self.key is not None else MAGIC_CRC):
+        if magic != self._magic:
             raise CorruptValue("value header has a wrong magic (or the other check kind)")
         if ns != self.namespace_digest or kd != key_digest:
             raise CorruptValue("value belongs to another namespace or key")
