@@ -86,6 +86,28 @@ class BlockCopyKernel:
     def plan(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> RowCopyPlan:
         return RowCopyPlan(self._fn, pairs)
 
+    def copy_pointers(
+        self,
+        src: ctypes.Array[ctypes.c_void_p],
+        dst: ctypes.Array[ctypes.c_void_p],
+        row_bytes: ctypes.Array[ctypes.c_int64],
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        threads: int = 1,
+    ) -> None:
+        """Row ``src_ids[i]`` of every source region to row ``dst_ids[i]`` of its destination,
+        over pointer tables the caller built (``src[t]``, ``dst[t]``, ``row_bytes[t]`` per
+        region) and int64 id arrays it checked against every region's row count: nothing is
+        checked here, for callers whose regions are not whole tensors (a staging slot's
+        slices). The GIL is released for the copy."""
+        n = len(src_ids)
+        if n != len(dst_ids):
+            raise ValueError("src_ids and dst_ids differ in length")
+        if n and self._fn(
+            len(src), src, dst, row_bytes, src_ids.ctypes.data, dst_ids.ctypes.data, n, threads
+        ):
+            raise MemoryError("block copy: could not allocate its run table")
+
 
 def load_block_copy() -> BlockCopyKernel | None:
     """The kernel, built on first use; None where native kernels are off or unbuildable."""

@@ -5,9 +5,11 @@ Why staging instead of registering the engine pool: a value must be one contiguo
 checked header, then every layer's K and V of the chunk's blocks, which lie apart in the
 pool), and a loaded value must be checked *before* any byte of it reaches the engine's
 blocks, so a corrupt or short value never touches the pool. The copy into or out of the
-buffer is one indexed copy per layer (a single pass over the bytes, which the checksum pass
-needs anyway); the buffer itself is registered once, so Mooncake's puts and gets are
-zero-copy from there.
+buffer is one pass over the bytes per chunk (:mod:`.slot_copy`); the buffer itself is
+registered once, so Mooncake's puts and gets are zero-copy from there. Scattering a get
+straight into the pool blocks (``batch_get_into_multi_buffers``) would save that pass, but over
+TCP it makes one transfer per block half, which ran at a third of a contiguous get and
+overflowed the transport's queues (failed gets).
 
 Stores: the first half of a store job copies its chunks out of the engine blocks (then the
 blocks may be reused: ``wait_copied`` for preempted requests, ``finished_sending`` for
@@ -37,7 +39,8 @@ from kvferry.kv_transfer.connectors.mooncake_store.metadata import (
     MooncakeStoreWorkerMeta,
     StoreJob,
 )
-from kvferry.kv_transfer.stores.chunk_codec import CorruptValue
+from kvferry.kv_transfer.connectors.mooncake_store.slot_copy import SlotCopier
+from kvferry.kv_transfer.stores.chunk_codec import HEADER_BYTES, CorruptValue
 from kvferry.kv_transfer.stores.chunk_key import key_digest
 from kvferry.kv_transfer.stores.link import StoreLink
 from kvferry.kv_transfer.stores.mooncake_client import RPC_FAIL
@@ -98,6 +101,13 @@ class StoreTransfers:
         first = kv_caches[0]
         self._shape = (2, layout.blocks_per_chunk, *first.shape[2:])
         self._dtype = first.dtype
+        slots = range(2 * per_region)
+        self.copier = SlotCopier(
+            kv_caches,
+            layout.blocks_per_chunk,
+            [self.base_ptr + g * self.slot_bytes + HEADER_BYTES for g in slots],
+            [self._payload(self._slot_value(g)) for g in slots],
+        )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._loads: queue.Queue[_Load | None] = queue.Queue()
@@ -119,13 +129,15 @@ class StoreTransfers:
             t.start()
 
     # -- staging ----------------------------------------------------------------------------
+    def _slot_value(self, g: int) -> torch.Tensor:
+        off = g * self.slot_bytes
+        return self.staging[off : off + self.codec.value_bytes]
+
     def _slot(self, region: int, i: int) -> tuple[int, torch.Tensor]:
-        off = (region * self.slots_per_region + i) * self.slot_bytes
-        return self.base_ptr + off, self.staging[off : off + self.codec.value_bytes]
+        g = region * self.slots_per_region + i
+        return self.base_ptr + g * self.slot_bytes, self._slot_value(g)
 
     def _payload(self, value: torch.Tensor) -> torch.Tensor:
-        from kvferry.kv_transfer.stores.chunk_codec import HEADER_BYTES
-
         raw = value[HEADER_BYTES:]
         return raw.view(self._dtype).view(len(self.kv), *self._shape)
 
@@ -283,7 +295,9 @@ class StoreTransfers:
             with self._lock:
                 if load.abandoned:
                     return -1
-                self._copy_in([part[i] for i in good], [slots[i][1] for i in good])
+                for i in good:
+                    chunk = part[i]
+                    self.copier.into_pool(i, chunk.first_block, chunk.block_ids)
             self._stat("get_bytes", sum(codes[i - idx.start] for i in good))
             self._stat("get_chunks", len(good))
         return failed
@@ -303,14 +317,6 @@ class StoreTransfers:
                 self._meta.removed.append(key.rsplit("/", 1)[0])
             return f"corrupt store value: {e}"
         return None
-
-    def _copy_in(self, chunks: list[ChunkIO], values: list[torch.Tensor]) -> None:
-        for chunk, value in zip(chunks, values, strict=True):
-            payload = self._payload(value)
-            lo, hi = chunk.first_block, chunk.first_block + len(chunk.block_ids)
-            ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=self.device)
-            for layer, kv in enumerate(self.kv):
-                kv.index_copy_(1, ids, payload[layer][:, lo:hi].to(self.device))
 
     # -- stores (store thread) --------------------------------------------------------------
     def _store_loop(self) -> None:
@@ -349,8 +355,8 @@ class StoreTransfers:
             part = job.chunks[start : start + n]
             keys = [self._rank_key(c.key) for c in part]
             slots = [self._slot(1, i) for i in range(len(part))]
-            for chunk, key, (_, value) in zip(part, keys, slots, strict=True):
-                self._copy_out(chunk, value)
+            for i, (chunk, key, (_, value)) in enumerate(zip(part, keys, slots, strict=True)):
+                self.copier.out_of_pool(self.slots_per_region + i, chunk.block_ids)
                 self.codec.seal(_bytes(value), key_digest(key))
             if start + n >= len(job.chunks):
                 release()
@@ -380,12 +386,6 @@ class StoreTransfers:
                 self.link.report_failure("a put failed: master unreachable")
             return False
         return True
-
-    def _copy_out(self, chunk: ChunkIO, value: torch.Tensor) -> None:
-        payload = self._payload(value)
-        ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=self.device)
-        for layer, kv in enumerate(self.kv):
-            payload[layer].copy_(kv.index_select(1, ids))
 
     def num_in_flight(self) -> int:
         with self._lock:
