@@ -234,3 +234,15 @@ def test_reader_waits_for_the_writer_lock(tmp_path) -> None:
         load_hidden_states(path, timeout=1)
     cleanup_hidden_states(path)
     assert not os.listdir(tmp_path)
+
+
+def test_conformance_kit_drives_it_through_misses(tmp_path) -> None:
+    """Store-only: the kit's miss and save scenarios pass; it never offers a hit, so every hit
+    scenario is not exercised (and none fails)."""
+    from kvferry.testing import NOT_EXERCISED, PASSED, builtin_configs, run_conformance
+
+    report = run_conformance(builtin_configs(tmp_path)[NAME], profile="quick")
+    status = {r.scenario: r.status for r in report.results}
+    assert report.ok, report.to_text()
+    assert status["miss"] == PASSED and status["preemption during a save"] == PASSED
+    assert status["sync hit"] == status["full hit"] == NOT_EXERCISED
