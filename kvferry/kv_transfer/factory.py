@@ -201,6 +201,7 @@ def _supports_hma(connector_cls: type[KVConnectorBase], kvt: KVTransferConfig) -
 _CONNECTORS = "kvferry.kv_transfer.connectors"
 for _name, _module in [
     ("ExampleConnector", f"{_CONNECTORS}.example_connector"),
+    ("ExampleHiddenStatesConnector", f"{_CONNECTORS}.example_hidden_states"),
     ("DecodeBenchConnector", f"{_CONNECTORS}.decode_bench_connector"),
     ("MultiConnector", f"{_CONNECTORS}.multi_connector"),
     ("NixlConnector", f"{_CONNECTORS}.nixl.connector"),

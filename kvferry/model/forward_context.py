@@ -19,6 +19,7 @@ from kvferry.model.attention_workspace import AttentionWorkspace
 
 if TYPE_CHECKING:
     from kvferry.model.attention_metadata import AttentionMetadata
+    from kvferry.model.hidden_states_capture import HiddenStatesCapture
 
 
 class LayerKVHooks(Protocol):
@@ -47,6 +48,9 @@ class ForwardContext:
     # owns, so buffers are reused from step to step.
     attn_workspace: AttentionWorkspace = field(default_factory=AttentionWorkspace)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Set before the forward by whoever wants intermediate hidden states (a connector's
+    # start_load_kv); the decoder loop records into it.
+    hidden_states_capture: HiddenStatesCapture | None = None
 
     @functools.cached_property
     def no_compile_layers(self) -> dict[str, AttentionLayerKV]:
@@ -85,3 +89,9 @@ def get_forward_context() -> ForwardContext:
 
 def has_forward_context() -> bool:
     return _CURRENT.get() is not None
+
+
+def active_hidden_states_capture() -> HiddenStatesCapture | None:
+    """The active forward context's hidden-states capture, or None (also outside a forward)."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else ctx.hidden_states_capture

@@ -19,6 +19,7 @@ from torch import nn
 
 from kvferry.config import ArchConfig
 from kvferry.model.attention import Attention
+from kvferry.model.forward_context import active_hidden_states_capture
 from kvferry.model.layers import (
     GatedMLP,
     Linear,
@@ -126,8 +127,13 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        capture = active_hidden_states_capture()
+        for i, layer in enumerate(self.layers):
+            if capture is not None:
+                capture.record(i, x, residual)
             x, residual = layer(x, residual, cos, sin)
+        if capture is not None:
+            capture.record(len(self.layers), x, residual)
         if residual is None:
             return self.norm(x)  # type: ignore[no-any-return]
         return self.norm.add_norm(x, residual)[0]

@@ -89,6 +89,12 @@ def builtin_configs(workdir: str | Path) -> dict[str, dict[str, Any]]:
 
     return {
         "ExampleConnector": kv("ExampleConnector", shared_storage_path=str(d / "example")),
+        # Store-only (hidden states, never a hit): the kit can drive it through misses only.
+        "ExampleHiddenStatesConnector": kv(
+            "ExampleHiddenStatesConnector",
+            shared_storage_path=str(d / "hidden-states"),
+            eagle_aux_hidden_state_layer_ids=[0, 1],
+        ),
         "SimpleCPUOffloadConnector": kv("SimpleCPUOffloadConnector", num_cpu_blocks=128),
         "OffloadingConnector": kv("OffloadingConnector", num_cpu_chunks=128),
         "OffloadingConnector (disk tier)": kv(
