@@ -1,13 +1,18 @@
 """``vllm.distributed.parallel_state``: rank and group accessors.
 
-kvferry runs each engine's model in one worker (``UniProcExecutor.world_size == 1``), so every
-group has one member, rank 0. Collective calls on a group of one return their input.
+The tensor-parallel group is this process's (``kvferry.model.parallel``): rank 0 of one in the
+engine process and a single-worker engine, rank r of N in a tensor-parallel worker. The world
+group is the same (no pipeline or data parallelism); the pipeline group has one member. The
+object collectives are for groups of one only: a connector written for vLLM that needs them
+across ranks is not supported under tensor parallelism.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvferry.model.parallel import tp_rank, tp_size
 
 __all__ = [
     "GroupCoordinator",
@@ -69,12 +74,20 @@ _TP = GroupCoordinator("tp")
 _PP = GroupCoordinator("pp")
 
 
+def _this_process(name: str, cached: GroupCoordinator) -> GroupCoordinator:
+    if tp_size() == 1:
+        return cached
+    return GroupCoordinator(
+        name, rank=tp_rank(), local_rank=tp_rank(), ranks=list(range(tp_size()))
+    )
+
+
 def get_world_group() -> GroupCoordinator:
-    return _WORLD
+    return _this_process("world", _WORLD)
 
 
 def get_tp_group() -> GroupCoordinator:
-    return _TP
+    return _this_process("tp", _TP)
 
 
 def get_pp_group() -> GroupCoordinator:
@@ -82,11 +95,11 @@ def get_pp_group() -> GroupCoordinator:
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return _TP.rank_in_group
+    return tp_rank()
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _TP.world_size
+    return tp_size()
 
 
 def model_parallel_is_initialized() -> bool:
