@@ -25,10 +25,10 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from collections.abc import Callable
 from typing import Any
 
 from kvferry.config import EngineConfig
