@@ -68,6 +68,17 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's ``obj`` (picklable), in rank order."""
+    if _GROUP.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[object] = [None] * _GROUP.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_min(value: int) -> int:
     """The smallest of the ranks' ``value`` (e.g. how many KV blocks every rank can hold)."""
     if _GROUP.world_size == 1:
