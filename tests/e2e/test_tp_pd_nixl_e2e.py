@@ -46,7 +46,7 @@ def monkeypatch_module():
     mp.undo()
 
 
-@pytest.fixture(scope="module", params=["open", "secret"])
+@pytest.fixture(scope="module", params=["open", pytest.param("secret", marks=pytest.mark.slow)])
 def pd(request, tiny_model_factory, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("UCX_NET_DEVICES", "lo")
     logs = tmp_path_factory.mktemp("pd-nixl-tp2")
