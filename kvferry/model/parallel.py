@@ -79,6 +79,24 @@ def all_gather_object(obj: object) -> list[object]:
     return out
 
 
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank ``src``'s ``obj`` on every rank."""
+    if _GROUP.world_size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if _GROUP.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def all_reduce_min(value: int) -> int:
     """The smallest of the ranks' ``value`` (e.g. how many KV blocks every rank can hold)."""
     if _GROUP.world_size == 1:

@@ -69,6 +69,36 @@ def test_killed_worker_is_reported_within_seconds(model: Path) -> None:
                 os.kill(p, signal.SIGKILL)
 
 
+def _hang(worker: object, seconds: float) -> None:
+    """Run on a worker: stop answering for a while (a stuck rank)."""
+    time.sleep(seconds if getattr(worker, "rank", 0) == 1 else 0)
+
+
+def test_hung_worker_times_out_and_every_worker_is_stopped(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(model=str(model), tensor_parallel_size=2, **KW)
+    pids = llm.engine.executor.worker_pids
+    try:
+        monkeypatch.setenv("KVFERRY_TP_STEP_TIMEOUT_S", "1.5")
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailedError, match=r"rank 1 .*did not answer.*within 1.5 s"):
+            llm.engine.executor.collective_rpc(_hang, (60.0,))
+        assert time.monotonic() - t0 < 8
+        wait_for(lambda: not any(_alive(p) for p in pids), 10, "every worker to exit")
+    finally:
+        llm.shutdown()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_a_worker_config_error_reaches_the_caller_as_is(model: Path) -> None:
+    # The KV budget is checked by each rank, after its weights are loaded.
+    with pytest.raises(ConfigError, match="kv_cache_memory=.* gives 0 KV blocks"):
+        LLM(model=str(model), tensor_parallel_size=2, kv_cache_memory="1KiB", **KW)
+
+
 _HOLDER = """
 import sys, time
 from kvferry import LLM

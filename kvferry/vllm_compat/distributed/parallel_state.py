@@ -3,8 +3,8 @@
 The tensor-parallel group is this process's (``kvferry.model.parallel``): rank 0 of one in the
 engine process and a single-worker engine, rank r of N in a tensor-parallel worker. The world
 group is the same (no pipeline or data parallelism); the pipeline group has one member. The
-object collectives are for groups of one only: a connector written for vLLM that needs them
-across ranks is not supported under tensor parallelism.
+object collectives and the barrier run over the workers' ``torch.distributed`` group (every
+rank must call them, in the same order); in a group of one they return their input.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.model import parallel
 from kvferry.model.parallel import tp_rank, tp_size
 
 __all__ = [
@@ -31,7 +32,7 @@ class GroupCoordinator:
     rank: int = 0
     local_rank: int = 0
     ranks: list[int] = field(default_factory=lambda: [0])
-    # No torch.distributed process groups: one member needs none.
+    # Not exposed: the collectives below use the default torch.distributed group.
     cpu_group: Any = None
     device_group: Any = None
 
@@ -60,13 +61,14 @@ class GroupCoordinator:
         return self.rank == self.last_rank
 
     def barrier(self) -> None:
-        """Nothing to wait for in a group of one."""
+        if self.world_size > 1:
+            parallel.barrier()
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        return obj
+        return obj if self.world_size == 1 else parallel.broadcast_object(obj, src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
+        return [obj] if self.world_size == 1 else parallel.all_gather_object(obj)
 
 
 _WORLD = GroupCoordinator("world")
