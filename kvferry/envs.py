@@ -76,3 +76,15 @@ def malloc_tuning() -> bool:
     """KVFERRY_MALLOC_TUNING=0 keeps glibc's default malloc thresholds (see
     ``kvferry.worker.malloc_tuning``; default: fixed thresholds in the engine process)."""
     return _flag("KVFERRY_MALLOC_TUNING", default=True)
+
+
+def tp_step_timeout_s() -> float:
+    """KVFERRY_TP_STEP_TIMEOUT_S: how long a tensor-parallel engine waits for every worker's
+    reply to one step before it declares the workers hung (default 300)."""
+    return float(os.environ.get("KVFERRY_TP_STEP_TIMEOUT_S", "300"))
+
+
+def tp_startup_timeout_s() -> float:
+    """KVFERRY_TP_STARTUP_TIMEOUT_S: how long tensor-parallel workers may take to load the model
+    and allocate their KV pools (default 600)."""
+    return float(os.environ.get("KVFERRY_TP_STARTUP_TIMEOUT_S", "600"))

@@ -68,8 +68,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {n!r}")
 
 
 @dataclass
@@ -108,6 +109,7 @@ class EngineConfig:
                 f"with chunked prefill off, max_num_batched_tokens "
                 f"({sc.max_num_batched_tokens}) must be >= max_model_len ({mc.max_len})"
             )
+        check_tensor_parallel(self)
         kvt = self.kv_transfer_config
         if kvt is not None and kvt.kv_connector is None:
             self.kv_transfer_config = None
@@ -119,6 +121,36 @@ class EngineConfig:
                     f"of max_model_len={mc.max_len} ({need} blocks of {self.cache_config.block_size} "
                     f"tokens needed); raise it or lower max_model_len"
                 )
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuse a tensor-parallel size the model's shapes or the devices cannot be split over."""
+    n = config.parallel_config.tensor_parallel_size
+    if n == 1:
+        return
+    arch = config.model_config.arch
+    for what, value in (
+        ("attention heads (num_attention_heads)", arch.num_attention_heads),
+        ("KV heads (num_key_value_heads)", arch.num_key_value_heads),
+        ("MLP width (intermediate_size)", arch.intermediate_size),
+    ):
+        if value % n:
+            raise ConfigError(
+                f"tensor_parallel_size={n} does not divide the model's {value} {what}; "
+                f"choose a tensor_parallel_size that divides it"
+            )
+    device = config.device_config.torch_device
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ConfigError(
+                f"with tensor_parallel_size={n} use device 'cuda' (rank r runs on cuda:r), "
+                f"not {str(device)!r}"
+            )
+        if torch.cuda.device_count() < n:
+            raise ConfigError(
+                f"tensor_parallel_size={n} needs {n} CUDA devices, found "
+                f"{torch.cuda.device_count()}"
+            )
 
 
 def check_scheduler_limits(

@@ -78,7 +78,8 @@ class EngineArgs:
         default=True, metadata=_help("split long prefills across steps")
     )
     tensor_parallel_size: int = field(
-        default=1, metadata=_help("tensor-parallel workers (not yet supported: 1 only)")
+        default=1,
+        metadata=_help("tensor-parallel worker processes (model heads must divide by it)"),
     )
     log_stats: bool = field(default=False, metadata=_help("log engine stats periodically"))
     kv_transfer_config: str | dict[str, Any] | KVTransferConfig | None = field(
@@ -150,12 +151,6 @@ class EngineArgs:
         return KVEventsConfig.from_dict(value)
 
     def create_engine_config(self) -> EngineConfig:
-        if self.tensor_parallel_size != 1:
-            # Kept as a flag so vLLM command lines parse; refused until tensor parallelism lands.
-            raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not yet supported: "
-                f"kvferry runs one worker, so only 1 is accepted"
-            )
         kv_mem = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
         return EngineConfig(
             model_config=ModelConfig(

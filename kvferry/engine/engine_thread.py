@@ -37,6 +37,7 @@ from kvferry.engine.request_stream import RequestStream
 from kvferry.logger import fmt_fields, init_logger
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
+from kvferry.worker.multiproc_executor import WorkerFailedError
 
 logger = init_logger(__name__)
 
@@ -269,8 +270,12 @@ class EngineThread:
             outputs = engine.step()
         except Exception as e:
             self._consecutive_errors += 1
-            logger.exception("engine step failed (%d in a row)", self._consecutive_errors)
             error = f"{type(e).__name__}: {e}"
+            if isinstance(e, WorkerFailedError):
+                # A tensor-parallel worker is gone: no retry, and its message says it all.
+                self._declare_dead(engine, f"the engine's workers failed: {e}")
+                return False
+            logger.exception("engine step failed (%d in a row)", self._consecutive_errors)
             if self._consecutive_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
                 n = self._consecutive_errors
                 self._declare_dead(engine, f"the engine step failed {n} times in a row: {error}")

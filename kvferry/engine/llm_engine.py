@@ -28,7 +28,7 @@ from kvferry.outputs import RequestOutput
 from kvferry.request import Request, RequestStatus
 from kvferry.sampling_params import SamplingParams
 from kvferry.tokenizer import Tokenizer
-from kvferry.worker.executor import UniProcExecutor
+from kvferry.worker.executor import create_executor
 
 logger = init_logger(__name__)
 
@@ -65,7 +65,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(
             dict.fromkeys(self.tokenizer.eos_token_ids + mc.arch.eos_token_ids)
         )
-        self.executor = UniProcExecutor(config)
+        self.executor = create_executor(config)
         self.kv_cache_config = self.executor.kv_cache_config
         kvt = config.kv_transfer_config
         connector = None

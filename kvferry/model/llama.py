@@ -28,6 +28,8 @@ from kvferry.model.layers import (
     RotaryEmbedding,
     apply_rotary,
 )
+from kvferry.model.parallel import all_gather_last_dim, tp_size
+from kvferry.model.tp_layers import RowParallelLinear, VocabParallelEmbedding
 from kvferry.native.fused_ops import FusedOps
 
 
@@ -36,15 +38,16 @@ class DecoderAttention(nn.Module):
 
     def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        # This rank's heads: q/k/v are column-parallel, o_proj row-parallel (tp_layers).
+        self.num_heads = cfg.num_attention_heads // tp_size()
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size()
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = True if cfg.family == "qwen2" else cfg.attention_bias
         o_bias = False if cfg.family == "qwen2" else cfg.attention_bias
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.qk_norm = cfg.family == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -85,7 +88,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        inter = cfg.intermediate_size // tp_size()
+        self.mlp = GatedMLP(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.mlp.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(
         self,
@@ -111,9 +116,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         # Built for the loader to fill (on the meta device): an explicit weight skips the
         # random init, whose meta-device decomposition is slow enough to dominate start-up.
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
-        )
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
@@ -161,7 +164,8 @@ class CausalLM(nn.Module):
         # Set by a device backend, like Linear.kernel, for the logits product.
         self.logits_kernel: LinearKernel | None = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            rows = self.model.embed_tokens.num_embeddings  # this rank's vocabulary rows
+            self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
         self.layer_names: list[str] = [
             f"model.layers.{i}.self_attn.attn" for i in range(cfg.num_hidden_layers)
         ]
@@ -176,5 +180,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         if self.logits_kernel is not None:
-            return self.logits_kernel(hidden, weight, None).float()
-        return F.linear(hidden, weight).float()
+            logits = self.logits_kernel(hidden, weight, None)
+        else:
+            logits = F.linear(hidden, weight)
+        if tp_size() > 1:  # vocab-parallel: every rank gets the full row
+            logits = all_gather_last_dim(logits)[:, : self.config.vocab_size]
+        return logits.float()

@@ -16,16 +16,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvferry.config import ArchConfig, ConfigError, ModelConfig
+from kvferry.config import ConfigError, ModelConfig
 from kvferry.model.llama import CausalLM
+from kvferry.model.parallel import tp_rank, tp_size
+from kvferry.model.shard_plan import plan_pieces
 
 logger = logging.getLogger(__name__)
 
-# Fused parameter -> the HF parameters stacked along dim 0, in order.
-_FUSED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 # Checkpoint tensors that are derived state or belong to other variants, not weights we need.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -37,7 +34,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
 
     Rotary tables cover ``model_config.max_len`` positions. Reads
     ``model.safetensors.index.json`` when present, otherwise every ``*.safetensors`` file
-    in the folder. Raises :class:`ConfigError` naming the tensor when one is missing or has the
+    in the folder. Under tensor parallelism (``kvferry.model.parallel``) each parameter is this
+    rank's shard and only its slices are read. Raises :class:`ConfigError` naming the tensor when one is missing or has the
     wrong shape, and when a shard is missing or unreadable.
     """
     folder = Path(model_config.model)
@@ -59,26 +57,32 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
                     raise ConfigError(f"cannot read weights file {path}: {e}") from None
             return handles[path]
 
+        rank, world_size = tp_rank(), tp_size()
         for name, param in model.named_parameters():
-            offset = 0
-            for src, rows in _sources(name, param.shape[0], cfg):
+            filled = 0
+            for piece in plan_pieces(name, tuple(param.shape), cfg, rank, world_size):
+                src = piece.src
                 path = locations.get(src)
                 if path is None:
                     raise ConfigError(
                         f"{folder}: checkpoint has no tensor {src!r} (needed for {cfg.architecture})"
                     )
                 f = open_file(path)
-                expected = (rows, *param.shape[1:])
                 found = tuple(f.get_slice(src).get_shape())
-                if found != expected:
+                if found != piece.full_shape:
                     raise ConfigError(
                         f"{folder}: tensor {src!r} in {path.name} has shape {list(found)}, "
-                        f"expected {list(expected)} from config.json"
+                        f"expected {list(piece.full_shape)} from config.json"
                     )
+                part = piece.read(f.get_slice(src)) if world_size > 1 else f.get_tensor(src)
+                rows = part.shape[0]
                 with torch.no_grad():
-                    param[offset : offset + rows].copy_(f.get_tensor(src))
-                offset += rows
+                    param[piece.dst_offset : piece.dst_offset + rows].copy_(part)
+                filled = max(filled, piece.dst_offset + rows)
                 used.add(src)
+            if param.dim() and filled < param.shape[0]:  # the last vocabulary shard's padding
+                with torch.no_grad():
+                    param[filled:].zero_()
 
     unused = sorted(
         n
@@ -104,21 +108,6 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
         for name, param in list(module.named_parameters(recurse=False)):
             empty = torch.empty(param.shape, dtype=dtype, device=device)
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
-
-
-def _sources(name: str, rows: int, cfg: ArchConfig) -> list[tuple[str, int]]:
-    """HF tensor names that fill parameter ``name`` and how many dim-0 rows each provides."""
-    for fused, parts in _FUSED.items():
-        if f".{fused}." not in name:
-            continue
-        if fused == "qkv_proj":
-            q = cfg.num_attention_heads * cfg.head_dim
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            sizes = [q, kv, kv]
-        else:
-            sizes = [rows // 2, rows // 2]
-        return [(name.replace(fused, part), n) for part, n in zip(parts, sizes, strict=True)]
-    return [(name, rows)]
 
 
 def _tensor_locations(folder: Path) -> dict[str, Path]:

@@ -198,7 +198,9 @@ def _failed_load(s: Subject, policy: str) -> Outcome:
     kv["kv_role"] = "kv_consumer"
     kv["kv_connector_extra_config"]["inner"]["kv_role"] = "kv_consumer"
     run, fins = decode(s, h, kv)
-    sabotaged = set(getattr(run.engine.executor.worker.kv_connector, "sabotaged_req_ids", []))
+    # The kit runs single-worker engines (the executor's only worker holds the connector).
+    connector = getattr(getattr(run.engine.executor, "worker", None), "kv_connector", None)
+    sabotaged = set(getattr(connector, "sabotaged_req_ids", []))
     expect = sabotaged if policy == "fail" else set()
     problems = h.problems + token_identity(fins, s.h.reference(h.prompts, s.h.params), expect)
     more, _, _ = close_both(run, h)

@@ -188,7 +188,9 @@ def _failed_load(s: Subject, policy: str) -> Outcome:
     run = s.h.engine(s.faulty(policy, fail_loads=[0]))
     problems = warm(s, run, prompts)
     fins = run.run(prompts, s.h.params)
-    sabotaged = set(getattr(run.engine.executor.worker.kv_connector, "sabotaged_req_ids", []))
+    # The kit runs single-worker engines (the executor's only worker holds the connector).
+    connector = getattr(getattr(run.engine.executor, "worker", None), "kv_connector", None)
+    sabotaged = set(getattr(connector, "sabotaged_req_ids", []))
     expect = sabotaged if policy == "fail" else set()
     problems += token_identity(fins, s.h.reference(prompts, s.h.params), expect)
     more, _ = close_run(run)

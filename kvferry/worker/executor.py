@@ -1,12 +1,17 @@
 """Executor: runs the step's plan on the workers and returns one combined output.
 
-kvferry runs one worker in-process today. The executor is still the single place where the
+:func:`create_executor` picks :class:`UniProcExecutor` (one worker, in-process) for
+``tensor_parallel_size`` 1 and :class:`~kvferry.worker.multiproc_executor.MultiprocExecutor`
+(one process per rank) above. The executor is still the single place where the
 workers' KV-connector outputs are combined (``KVOutputAggregator``), so the scheduler sees a
 request finished only once every worker reported it, whatever the worker count. It talks to
 each ``Worker`` through its methods only, as it would to a worker in another process.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvferry.config import EngineConfig
 from kvferry.kv_cache_config import KVCacheConfig
@@ -15,6 +20,17 @@ from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
 from kvferry.step_types.runner_output import ModelRunnerOutput
 from kvferry.step_types.scheduler_output import SchedulerOutput
 from kvferry.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from kvferry.worker.multiproc_executor import MultiprocExecutor
+
+
+def create_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
+    if config.parallel_config.tensor_parallel_size > 1:
+        from kvferry.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    return UniProcExecutor(config)
 
 
 class UniProcExecutor:
@@ -48,6 +64,10 @@ class UniProcExecutor:
                 [o.kv_connector_output for o in outputs]
             )
         return result
+
+    def collective_rpc(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Any]:
+        """``fn(worker, *args)`` on every worker; the results in rank order."""
+        return [fn(w, *args) for w in self.workers]
 
     def shutdown(self) -> None:
         for w in self.workers:

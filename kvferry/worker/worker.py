@@ -23,6 +23,7 @@ from kvferry.kv_transfer.factory import KVConnectorFactory
 from kvferry.kv_transfer.trace import maybe_wrap
 from kvferry.logger import fmt_fields, init_logger
 from kvferry.model.loader import load_model
+from kvferry.model.parallel import all_reduce_min, tp_size
 from kvferry.step_types.runner_output import ModelRunnerOutput
 from kvferry.step_types.scheduler_output import SchedulerOutput
 from kvferry.worker.kv_connector import KVConnectorDriver
@@ -76,6 +77,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = config.device_config.torch_device
+        if self.device.type == "cuda" and tp_size() > 1:
+            self.device = torch.device("cuda", rank)  # one device per rank
         mc = config.model_config
         t0 = time.perf_counter()
         self.model = load_model(mc, self.device)
@@ -96,11 +99,12 @@ class Worker:
         group = KVCacheGroupSpec(
             layer_names=tuple(self.model.layer_names),
             block_size=config.cache_config.block_size,
-            num_kv_heads=arch.num_key_value_heads,
+            num_kv_heads=arch.num_key_value_heads // tp_size(),  # this rank's KV heads
             head_dim=arch.head_dim,
             dtype=mc.torch_dtype,
         )
-        num_blocks = self._num_blocks(group)
+        # Every rank's pool has the same number of blocks: the scheduler hands out one id space.
+        num_blocks = all_reduce_min(self._num_blocks(group))
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=(group,))
         shape = (2, num_blocks, group.block_size, group.num_kv_heads, group.head_dim)
         self.kv_caches = {

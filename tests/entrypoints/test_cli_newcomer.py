@@ -226,14 +226,14 @@ def test_version(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyP
 # -- 7. --tensor-parallel-size
 
 
-def test_tensor_parallel_size_says_not_yet(
+def test_tensor_parallel_size_that_does_not_divide_the_model_is_refused(
     model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]
-    assert "(not yet supported: 1 only)" in " ".join(generate.format_help().split())
+    assert "model heads must divide by it" in " ".join(generate.format_help().split())
     argv = ["generate", "--model", str(model_dir), "--prompt", "hi", "--tensor-parallel-size"]
-    assert main([*argv, "2"]) == 2
-    assert "tensor_parallel_size=2 is not yet supported" in _error_line(capsys)
+    assert main([*argv, "3"]) == 2
+    assert "tensor_parallel_size=3 does not divide the model's" in _error_line(capsys)
 
 
 # -- 4. one trace per run

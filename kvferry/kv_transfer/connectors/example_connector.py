@@ -17,6 +17,10 @@ With the engine's KV cache events on, each prefix this engine writes is announce
 block hashes and tokens) once the step that wrote it is over. Files are never deleted, so
 nothing is withdrawn.
 
+Under tensor parallelism (N ranks) each rank stores and loads its own KV heads, in
+``<path>/<layout>-tp<N>/rank<r>/<key>/`` (``layout`` names the per-rank head count); a prefix
+is offered only once every rank's folder holds it.
+
 Extra config: ``shared_storage_path`` (default ``/tmp/kvferry-example``).
 """
 
@@ -45,6 +49,7 @@ from kvferry.kv_transfer.base import (
 )
 from kvferry.kv_transfer.options import parse_options
 from kvferry.logger import init_logger
+from kvferry.model.parallel import tp_rank
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
@@ -118,7 +123,15 @@ class ExampleConnector(KVConnectorBase):
         self.block_size = group.block_size
         layout = f"{group.num_kv_heads}x{group.head_dim}-{str(group.dtype).removeprefix('torch.')}"
         layout += f"-{len(group.layer_names)}l"
-        self.root = Path(opts.shared_storage_path) / layout
+        base = Path(opts.shared_storage_path) / layout
+        world = getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1)
+        # Every rank's folder (the scheduler checks them all); a worker uses its own.
+        self._roots = (
+            [base]
+            if world == 1
+            else [base.parent / f"{layout}-tp{world}" / f"rank{r}" for r in range(world)]
+        )
+        self.root = self._roots[tp_rank()]
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[PrefixJob] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -132,7 +145,7 @@ class ExampleConnector(KVConnectorBase):
 
     # ---------------------------------------------------------------- scheduler side
     def _complete(self, key: str) -> bool:
-        return (self.root / key / "meta.json").is_file()
+        return all((root / key / "meta.json").is_file() for root in self._roots)
 
     def _lookup(self, request: Request, num_computed_tokens: int) -> tuple[int, str | None]:
         limit = (request.num_tokens - 1) // self.block_size * self.block_size

@@ -1,13 +1,19 @@
 """``vllm.distributed.parallel_state``: rank and group accessors.
 
-kvferry runs each engine's model in one worker (``UniProcExecutor.world_size == 1``), so every
-group has one member, rank 0. Collective calls on a group of one return their input.
+The tensor-parallel group is this process's (``kvferry.model.parallel``): rank 0 of one in the
+engine process and a single-worker engine, rank r of N in a tensor-parallel worker. The world
+group is the same (no pipeline or data parallelism); the pipeline group has one member. The
+object collectives and the barrier run over the workers' ``torch.distributed`` group (every
+rank must call them, in the same order); in a group of one they return their input.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvferry.model import parallel
+from kvferry.model.parallel import tp_rank, tp_size
 
 __all__ = [
     "GroupCoordinator",
@@ -26,7 +32,7 @@ class GroupCoordinator:
     rank: int = 0
     local_rank: int = 0
     ranks: list[int] = field(default_factory=lambda: [0])
-    # No torch.distributed process groups: one member needs none.
+    # Not exposed: the collectives below use the default torch.distributed group.
     cpu_group: Any = None
     device_group: Any = None
 
@@ -55,13 +61,14 @@ class GroupCoordinator:
         return self.rank == self.last_rank
 
     def barrier(self) -> None:
-        """Nothing to wait for in a group of one."""
+        if self.world_size > 1:
+            parallel.barrier()
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        return obj
+        return obj if self.world_size == 1 else parallel.broadcast_object(obj, src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
+        return [obj] if self.world_size == 1 else parallel.all_gather_object(obj)
 
 
 _WORLD = GroupCoordinator("world")
@@ -69,12 +76,20 @@ _TP = GroupCoordinator("tp")
 _PP = GroupCoordinator("pp")
 
 
+def _this_process(name: str, cached: GroupCoordinator) -> GroupCoordinator:
+    if tp_size() == 1:
+        return cached
+    return GroupCoordinator(
+        name, rank=tp_rank(), local_rank=tp_rank(), ranks=list(range(tp_size()))
+    )
+
+
 def get_world_group() -> GroupCoordinator:
-    return _WORLD
+    return _this_process("world", _WORLD)
 
 
 def get_tp_group() -> GroupCoordinator:
-    return _TP
+    return _this_process("tp", _TP)
 
 
 def get_pp_group() -> GroupCoordinator:
@@ -82,11 +97,11 @@ def get_pp_group() -> GroupCoordinator:
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return _TP.rank_in_group
+    return tp_rank()
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _TP.world_size
+    return tp_size()
 
 
 def model_parallel_is_initialized() -> bool:

@@ -18,6 +18,7 @@ from kvferry.kv_transfer.offload.disk import (
     payload_bytes,
 )
 from kvferry.kv_transfer.secret import load_deployment_secret
+from kvferry.model.parallel import tp_rank
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,13 @@ class OffloadLayout:
     fingerprint: str
     disk_key: bytes | None = field(default=None, repr=False)
     disk_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    world_size: int = 1  # tensor-parallel ranks, each with its own folder under the fingerprint
+
+    def rank_folders(self) -> list[Path]:
+        """Every rank's disk folder (a chunk is on disk once all of them hold its file)."""
+        if self.disk_folder is None:
+            return []
+        return [self.disk_folder.parent / f"rank{r}" for r in range(self.world_size)]
 
     @property
     def chunk_tokens(self) -> int:
@@ -90,8 +98,9 @@ def resolve_layout(
             key,
             facts.hash_algo,
         )
-        # One folder per rank: each holds its own shard of the KV heads.
-        folder = Path(opts.disk_path) / fingerprint / "rank0"
+        # One folder per rank: each holds its own shard of the KV heads (the scheduler half,
+        # in the engine process, is rank 0; it reads every rank's folder when restoring).
+        folder = Path(opts.disk_path) / fingerprint / f"rank{tp_rank()}"
         n_disk = opts.num_disk_file_chunks(file_bytes(per_block, b, key is not None), owner)
     return OffloadLayout(
         block_size=group.block_size,
@@ -103,4 +112,5 @@ def resolve_layout(
         fingerprint=fingerprint,
         disk_key=key,
         disk_read_timeout_s=opts.disk_read_timeout_s,
+        world_size=facts.world_size,
     )

@@ -62,9 +62,16 @@ def restore_disk_index(
 ) -> None:
     """Register the chunk files an earlier engine left in this model's folder (unverified:
     each is checked before it is first offered); files of the wrong size, and the oldest ones
-    beyond the capacity, are deleted."""
+    beyond the capacity, are deleted. Under tensor parallelism a chunk counts only when every
+    rank's folder holds its file; a chunk some rank lacks is deleted from the others."""
     assert layout.disk_folder is not None
-    good, bad = scan_folder(layout.disk_folder, layout.file_size)
+    scans = [scan_folder(folder, layout.file_size) for folder in layout.rank_folders()]
+    good, bad = scans[0]
+    if len(scans) > 1:
+        everywhere = set(good).intersection(*(set(g) for g, _ in scans[1:]))
+        partial = {k for g, _ in scans for k in g} - everywhere
+        bad = list(dict.fromkeys([*bad, *(k for _, b in scans[1:] for k in b), *partial]))
+        good = [k for k in good if k in everywhere]  # rank 0's order: oldest first
     excess = good[: max(0, len(good) - disk.capacity)]
     for key in good[len(excess) :]:
         disk.insert_ready(key)

@@ -64,6 +64,7 @@ class Compat:
     """What two instances must share to exchange KV blocks, and its hash."""
 
     desc: str
+    tp_size: int = 1  # the engine's tensor-parallel size (also in desc)
 
     @property
     def hash(self) -> str:
@@ -91,7 +92,8 @@ class Compat:
             f"weights={weights_fingerprint(mc.model)} dtype={dtype} "
             f"layout={layout} tp={config.parallel_config.tensor_parallel_size} "
             f"protocol={PROTOCOL_VERSION} kvferry={__version__}"
-            + (f" transport={transport}" if transport else "")
+            + (f" transport={transport}" if transport else ""),
+            config.parallel_config.tensor_parallel_size,
         )
 
 
@@ -203,7 +205,9 @@ class Codec:
             raise Unauthenticated(f"{what} from {peer} names no signed kv_transfer_params")
         if isinstance(request, ClaimRequest) and request.num_tokens != proof.num_tokens:
             raise Unauthenticated(f"{what} from {peer} does not match the params it names")
-        fields = proof.fields(request.engine_id, request.request_id, request.block_ids)
+        fields = proof.fields(
+            request.engine_id, request.request_id, request.block_ids, self.compat.tp_size
+        )
         try:
             self.auth.params.verify(fields, proof.signature)
         except NotAuthenticated as e:

@@ -20,13 +20,14 @@ from kvferry.kv_transfer.connectors.pd.params import (
     MAX_ID_LEN,
     BlockIds,
     EngineId,
+    Host,
     NumTokens,
     ParamsProof,
     RequestId,
 )
 
 # Bump on any change of the messages or of their meaning.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 8 << 20
 
 Digest = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -106,6 +107,15 @@ class AgentInfo(msgspec.Struct, tag="agent", frozen=True, forbid_unknown_fields=
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e7)]
 
 
+class Redirect(msgspec.Struct, tag="redirect", frozen=True, forbid_unknown_fields=True):
+    """Answer to a handshake for another tensor-parallel rank: that rank's side channel (each
+    rank of a prefill engine serves its own KV heads; rank 0's address is in the params)."""
+
+    rank: Count
+    host: Host
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
 class Granted(msgspec.Struct, tag="granted", frozen=True, forbid_unknown_fields=True):
     agent_name: AgentName
     expires_in: Seconds  # the hold lasts at least this long after the claim was received
@@ -129,7 +139,7 @@ class Refused(msgspec.Struct, tag="refused", frozen=True, forbid_unknown_fields=
 
 
 PeerRequest = Union[HandshakeRequest, ClaimRequest, HeartbeatRequest, ReleaseRequest]
-PeerReply = Union[AgentInfo, Granted, Renewed, Ack, Refused]
+PeerReply = Union[AgentInfo, Redirect, Granted, Renewed, Ack, Refused]
 assert MAX_BLOCKS * 6 < MAX_MESSAGE_BYTES  # a claim of the most blocks still fits
 
 

@@ -91,7 +91,7 @@ class RemoteParams(msgspec.Struct, frozen=True):
 
 class ParamsProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """The signed params' fields a claim or release does not carry itself, and the signature
-    (tp_size is always 1)."""
+    (tp_size is the prefill engine's own, which the compatibility hash already pins)."""
 
     host: Host
     port: Port
@@ -99,7 +99,9 @@ class ParamsProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     cached_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
     signature: Signature
 
-    def fields(self, engine_id: str, request_id: str, block_ids: list[int]) -> SignedFields:
+    def fields(
+        self, engine_id: str, request_id: str, block_ids: list[int], tp_size: int = 1
+    ) -> SignedFields:
         return SignedFields(
             engine_id,
             request_id,
@@ -107,7 +109,7 @@ class ParamsProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
             self.port,
             list(block_ids),
             self.num_tokens,
-            1,
+            tp_size,
             self.cached_tokens,
         )
 
@@ -142,11 +144,12 @@ def request_side(params: Any) -> Side | None:
     return Side.PREFILL if prefill else None
 
 
-def parse_remote(params: dict[str, Any], block_size: int) -> RemoteParams:
+def parse_remote(params: dict[str, Any], block_size: int, tp_size: int = 1) -> RemoteParams:
     """Type- and range-check the fields a decode request reads with.
 
     ``remote_block_ids`` must hold exactly the blocks of ``remote_num_tokens`` tokens (no
-    duplicates); only ``tp_size == 1`` is supported."""
+    duplicates); the prefill instance's ``tp_size`` must be this instance's ``tp_size`` (rank
+    r reads rank r's KV heads)."""
     try:
         remote = msgspec.convert(params, RemoteParams, strict=True)
     except msgspec.ValidationError as e:
@@ -160,10 +163,11 @@ def parse_remote(params: dict[str, Any], block_size: int) -> RemoteParams:
         )
     if len(set(remote.remote_block_ids)) != need:
         raise ParamsError("invalid kv_transfer_params: remote_block_ids has duplicates")
-    if remote.tp_size != 1:
+    if remote.tp_size != tp_size:
         raise ParamsError(
-            f"kv_transfer_params has tp_size={remote.tp_size}; kvferry reads only from prefill "
-            f"instances with tp_size=1"
+            f"kv_transfer_params has tp_size={remote.tp_size}, but this instance runs "
+            f"tensor_parallel_size={tp_size}; kvferry reads only from prefill instances with "
+            f"the same tensor-parallel size"
         )
     return remote
 
@@ -207,6 +211,7 @@ def decode_params(
     num_tokens: int,
     cached_tokens: int,
     signer: ParamsSigner | None = None,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
     """The params a prefill instance returns for the decode instance (vLLM's field names),
     signed when ``signer`` is given."""
@@ -219,12 +224,12 @@ def decode_params(
         "remote_port": port,
         "remote_block_ids": list(block_ids),
         "remote_num_tokens": num_tokens,
-        "tp_size": 1,
+        "tp_size": tp_size,
         "remote_prefill_cached_tokens": cached_tokens,
     }
     if signer is not None:
         fields = SignedFields(
-            engine_id, request_id, host, port, list(block_ids), num_tokens, 1, cached_tokens
+            engine_id, request_id, host, port, list(block_ids), num_tokens, tp_size, cached_tokens
         )
         params["kv_signature"] = signer.sign(fields)
     return params

@@ -8,6 +8,9 @@ is kept per *peer* (:mod:`.peer_table`) and sent within the limits of :mod:`.pee
   compatibility hash), cached per peer. After a failed handshake or an unanswered claim, new
   reads from that peer fail at once for ``handshake_timeout`` instead of each waiting for
   the timeout; another address, even one naming the same engine id, is not affected.
+* Under tensor parallelism rank r of this engine reads rank r of the prefill engine: the
+  params name the prefill engine's rank 0, which answers a handshake for rank r with a
+  :class:`Redirect` to that rank's side channel; every call for that engine then goes there.
 * A claim asks the prefill engine to keep exactly the named blocks for this reader and says
   for how long. Heartbeats are coalesced (one in flight per peer and purpose). A release
   resolves once the peer answered or the release was given up; both it and heartbeats are
@@ -35,6 +38,7 @@ from kvferry.kv_transfer.connectors.pd.messages import (
     HandshakeRequest,
     HeartbeatRequest,
     PeerReply,
+    Redirect,
     Refused,
     ReleaseRequest,
     Renewed,
@@ -45,6 +49,7 @@ from kvferry.kv_transfer.connectors.pd.peer_calls import GivenUp, PeerCalls
 from kvferry.kv_transfer.connectors.pd.peer_table import Addr, Peer, PeerTable, addr_of
 from kvferry.kv_transfer.connectors.pd.sidechannel import PeerUnreachable
 from kvferry.kv_transfer.connectors.pd.transport import KVLayout
+from kvferry.model.parallel import tp_rank, tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +77,8 @@ class PeerClient:
         self.agent_name = agent_name
         self.local = local
         self.opts = opts
+        self.rank, self.tp_size = tp_rank(), tp_size()
+        self._routes: dict[Addr, Addr] = {}  # a prefill engine's rank 0 -> our rank there (loop)
         actx = zmq.asyncio.Context.shadow(ctx.underlying)
         self._calls = PeerCalls(actx, codec, opts.handshake_timeout, label)  # loop thread only
         self._peers = PeerTable(opts.max_peer_inflight)  # loop thread only
@@ -93,7 +100,7 @@ class PeerClient:
     def forget(self, addr: Addr) -> None:
         """Handshake afresh next time (after a transport failure)."""
         if not self._closed:
-            self._loop.call_soon_threadsafe(self._peers.forget, addr)
+            self._loop.call_soon_threadsafe(self._forget, addr)
 
     def renew(
         self, addr: Addr, request_ids: list[str], purpose: str
@@ -162,10 +169,40 @@ class PeerClient:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
+    def _forget(self, addr: Addr) -> None:
+        routed = self._routes.pop(addr, None)
+        self._peers.forget(addr)
+        if routed is not None:
+            self._peers.forget(routed)
+
+    async def _route(self, addr: Addr) -> Addr:
+        """Where our rank's calls for the prefill engine whose rank 0 is at ``addr`` go."""
+        if self.rank == 0:
+            return addr
+        routed = self._routes.get(addr)
+        if routed is not None:
+            return routed
+        host, port, engine_id = addr
+        peer = self._peers.at(addr)
+        try:
+            reply = await self._calls.call(peer, HandshakeRequest(engine_id, self.rank))
+        except Exception as e:
+            failure = f"handshake with {host}:{port} for rank {self.rank} failed: {e}"
+            peer.failed(failure)
+            raise ReadFailed(failure) from None
+        if not isinstance(reply, Redirect) or reply.rank != self.rank:
+            why = reply.reason if isinstance(reply, Refused) else type(reply).__name__
+            raise ReadFailed(
+                f"engine {engine_id} at {host}:{port} has no rank {self.rank} for us: {why}"
+            )
+        routed = (reply.host, reply.port, engine_id)
+        self._routes[addr] = routed
+        return routed
+
     async def _prepare(self, spec: RecvSpec) -> tuple[AgentInfo, float]:
         remote = spec.remote
         assert remote is not None
-        peer = self._peers.at(addr_of(remote))
+        peer = self._peers.at(await self._route(addr_of(remote)))
         for attempt in range(2):
             info = await self._agent_info(peer, refresh=attempt > 0)
             if max(spec.remote_block_ids) >= info.num_blocks:
@@ -195,7 +232,7 @@ class PeerClient:
                 return peer.info
             host, port, engine_id = peer.addr
             try:
-                reply = await self._calls.call(peer, HandshakeRequest(engine_id, 0))
+                reply = await self._calls.call(peer, HandshakeRequest(engine_id, self.rank))
                 info = self._check_info(reply, engine_id)
             except Exception as e:
                 failure = f"handshake with {host}:{port} failed: {e}"
@@ -215,7 +252,7 @@ class PeerClient:
                 f"engine {engine_id!r}"
             )
         local = self.local
-        expected = (local.block_size, local.num_layers, local.block_bytes, 1, 0)
+        expected = (local.block_size, local.num_layers, local.block_bytes, self.tp_size, self.rank)
         got = (
             reply.block_size,
             len(reply.base_addrs),
@@ -256,6 +293,11 @@ class PeerClient:
             raise ReadFailed(f"engine {remote.engine_id} refused the read: {reason}")
 
     async def _renew(self, addr: Addr, request_ids: list[str], purpose: str) -> Renewed | None:
+        try:
+            addr = await self._route(addr)
+        except ReadFailed as e:
+            logger.info("%s: heartbeat to %s:%d failed: %s", self.label, addr[0], addr[1], e)
+            return None
         peer = self._peers.at(addr)
         if purpose in peer.beating:
             return None
@@ -275,6 +317,10 @@ class PeerClient:
         return reply if isinstance(reply, Renewed) else None
 
     async def _release(self, addr: Addr, req: ReleaseRequest) -> str | None:
+        try:
+            addr = await self._route(addr)
+        except ReadFailed as e:
+            return str(e)
         peer = self._peers.at(addr)
         try:
             reply = await self._calls.call(peer, req, droppable="releases")

@@ -90,6 +90,8 @@ class PDConnectorScheduler(SchedulerHalf):
         self.engine_id = engine_id
         self.signer = auth.params if auth is not None else None
         self.block_size = kv_cache_config.block_size
+        parallel = getattr(config, "parallel_config", None)  # tests may pass a partial config
+        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1))
         host, port = side_channel_address(config, opts, rank=0)
         self.address: tuple[str, int] | None = (host, port) if port else None
         self._remote: dict[str, RemoteParams | ParamsError] = {}
@@ -130,7 +132,7 @@ class PDConnectorScheduler(SchedulerHalf):
 
     def checked(self, params: dict[str, Any]) -> RemoteParams:
         """A decode request's params, type-, range- and (with a secret) signature-checked."""
-        remote = parse_remote(params, self.block_size)
+        remote = parse_remote(params, self.block_size, self.tp_size)
         check_signature(remote, self.signer)
         return remote
 
@@ -264,6 +266,7 @@ class PDConnectorScheduler(SchedulerHalf):
             num_tokens=n,
             cached_tokens=stats.num_cached_tokens if stats is not None else 0,
             signer=self.signer,
+            tp_size=self.tp_size,
         )
         # Family-specific fields beside the signed ones (never read back as trusted).
         return True, {**self.extra_params(request, host, port), **params}

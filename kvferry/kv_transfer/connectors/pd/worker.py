@@ -41,6 +41,7 @@ from kvferry.kv_transfer.connectors.pd.handshake import (
     PeerReply,
     PeerRequest,
     ProtocolError,
+    Redirect,
     Refused,
     ReleaseRequest,
     SideChannelServer,
@@ -55,6 +56,7 @@ from kvferry.kv_transfer.connectors.pd.options import PDOptions, side_channel_ad
 from kvferry.kv_transfer.connectors.pd.reader import Reader
 from kvferry.kv_transfer.connectors.pd.transport import KVTransport
 from kvferry.kv_transfer.connectors.split import WorkerHalf
+from kvferry.model.parallel import all_gather_object, tp_rank, tp_size
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
@@ -85,11 +87,16 @@ class PDConnectorWorker(WorkerHalf):
         kv_cache_config: KVCacheConfig,
         opts: PDOptions,
         engine_id: str,
-        rank: int = 0,
+        rank: int | None = None,
     ) -> None:
         self.opts = opts
         self.engine_id = engine_id
-        self.rank = rank
+        # Under tensor parallelism each rank serves (and reads) its own KV heads.
+        self.rank = tp_rank() if rank is None else rank
+        self.tp_size = tp_size()
+        rank = self.rank
+        # Every rank's side channel, in rank order (set once all ranks have bound theirs).
+        self.rank_addrs: list[tuple[str, int]] = []
         compat = Compat.of(config, kv_cache_config, self.compat_transport)
         self.codec = Codec(compat, load_peer_auth(opts))
         self.host, self.port = side_channel_address(config, opts, rank)
@@ -128,7 +135,7 @@ class PDConnectorWorker(WorkerHalf):
             agent_name=self.agent_name,
             agent_metadata=self.transport.metadata(),
             rank=self.rank,
-            tp_size=1,
+            tp_size=self.tp_size,
             block_size=layout.block_size,
             num_blocks=layout.num_blocks,
             block_bytes=layout.block_bytes,
@@ -140,6 +147,11 @@ class PDConnectorWorker(WorkerHalf):
             self.ctx, self.host, self.port, self.codec, self._answer, self.label
         )
         self.port = self._server.port
+        # A reader's rank r finds rank r here through rank 0 (whose address the params name).
+        # Every rank registers its caches at start-up in the same order, so this collective
+        # is met by all of them.
+        gathered = all_gather_object((self.host, self.port))
+        self.rank_addrs = [(str(a[0]), int(a[1])) for a in gathered]  # type: ignore[index]
         self._reader = Reader(
             self.transport,
             layout,
@@ -174,8 +186,11 @@ class PDConnectorWorker(WorkerHalf):
         if isinstance(request, HandshakeRequest):
             if request.engine_id != self.engine_id:
                 return Refused(f"this is engine {self.engine_id}, not {request.engine_id}")
-            if request.rank != self.rank or self._info is None:
+            if self._info is None or request.rank >= max(1, len(self.rank_addrs)):
                 return Refused(f"no worker rank {request.rank} here")
+            if request.rank != self.rank:
+                host, port = self.rank_addrs[request.rank]
+                return Redirect(request.rank, host, port)
             return self._info
         if isinstance(request, ClaimRequest):
             return self.leases.claim(request, peer)
