@@ -47,6 +47,13 @@ class ForwardContext:
     # owns, so buffers are reused from step to step.
     attn_workspace: AttentionWorkspace = field(default_factory=AttentionWorkspace)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Hybrid KV cache groups: layer name -> the metadata built from its group's block tables.
+    # Layers not listed (every layer, with one group) use ``attn_metadata``.
+    layer_attn_metadata: dict[str, AttentionMetadata] = field(default_factory=dict)
+
+    def metadata_for(self, layer_name: str) -> AttentionMetadata | None:
+        """The attention metadata layer ``layer_name`` reads this step."""
+        return self.layer_attn_metadata.get(layer_name, self.attn_metadata)
 
     @functools.cached_property
     def no_compile_layers(self) -> dict[str, AttentionLayerKV]:
