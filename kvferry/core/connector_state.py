@@ -174,7 +174,10 @@ class ConnectorState:
             num_local, self.block_size, num_external, load_async and num_external > 0
         )
         if num_kept < num_local:
-            blocks = KVCacheBlocks((list(blocks.blocks[0][: num_kept // self.block_size]),))
+            # (Whole-block local hits never get here: a cut sliding-window hit could be short
+            # of its window's blocks.)
+            n = num_kept // self.block_size
+            blocks = KVCacheBlocks(tuple(list(g[:n]) for g in blocks.blocks))
         return PrefixHit(blocks, num_kept, num_external, load_async)
 
     def _restores_every_group(self, connector: KVConnectorBase, request: Request) -> bool:
@@ -247,10 +250,7 @@ class ConnectorState:
         must run to release it: loading, loaded, running) still need to cover their known
         tokens. Without this, loads could fill the pool with requests none of which can run
         (each waiting for a block another holds), and nothing would ever free a block."""
-        bs, kvm = self.block_size, self.kv_cache_manager
-        return sum(
-            max(0, -(-r.num_tokens // bs) - kvm.get_num_held_blocks(r.request_id)) for r in holders
-        )
+        return sum(self.kv_cache_manager.get_num_blocks_to_cover(r) for r in holders)
 
     def is_load_finished(self, req_id: str) -> bool:
         return req_id in self._loads_done
