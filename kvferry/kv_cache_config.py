@@ -52,5 +52,12 @@ class KVCacheConfig:
         )
 
     @property
+    def null_block_id(self) -> int | None:
+        """The id standing for "no block" in a sliding-window group's table (the pool sets
+        block 0 aside for it: never written, never read), or None without such a group.
+        Connectors skip it: nothing is loaded into or saved from it."""
+        return 0 if any(g.sliding_window is not None for g in self.groups) else None
+
+    @property
     def layer_names(self) -> tuple[str, ...]:
         return tuple(n for g in self.groups for n in g.layer_names)

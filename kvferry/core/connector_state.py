@@ -34,6 +34,7 @@ from kvferry.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorStats,
+    SupportsHMA,
 )
 from kvferry.request import Request, RequestStatus
 from kvferry.step_types.kv_connector_output import KVConnectorOutput
@@ -279,9 +280,13 @@ class ConnectorState:
         delay_free, params, error = False, None, None
         connector = self.connector
         if connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)
             try:
-                delay_free, params = connector.request_finished(request, block_ids)
+                # As vLLM: a connector for several groups hears of all of them.
+                if isinstance(connector, SupportsHMA):
+                    delay_free, params = connector.request_finished_all_groups(request, block_ids)
+                else:
+                    delay_free, params = connector.request_finished(request, block_ids[0])
             except Exception as e:
                 delay_free, params = False, None
                 error = _hook_error(connector, "request_finished", request, e)

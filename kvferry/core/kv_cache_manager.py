@@ -123,7 +123,7 @@ class KVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
             block_size=self.block_size,
             num_groups=self.num_groups,
-            reserve_null_block=any(g.sliding_window is not None for g in groups),
+            reserve_null_block=kv_cache_config.null_block_id is not None,
         )
         self.managers = [make_manager(g, i, self.block_pool) for i, g in enumerate(groups)]
         # Group 0's tables and published counts (every group holds the same requests).
@@ -248,6 +248,13 @@ class KVCacheManager:
             manager.remove_skipped_blocks(req_id, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_covered = num_computed + num_external_computed_tokens + num_new_tokens
+        # External tokens a sliding-window group's window does not reach get null blocks:
+        # nothing is loaded into them, nothing published from them.
+        for i, manager in enumerate(groups):
+            num_table = len(manager.req_to_blocks.get(req_id, ())) + len(hits[i])
+            hits[i] += manager.skipped_blocks(
+                num_table, num_computed + num_external_computed_tokens
+            )
         num_slots = min(num_covered + num_lookahead_tokens, self.max_model_len)
         num_new = [
             m.num_blocks_to_allocate(req_id, num_slots, len(h))

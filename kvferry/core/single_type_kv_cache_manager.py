@@ -60,6 +60,12 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the blocks no token from ``num_computed_tokens`` on can read."""
 
+    def skipped_blocks(self, num_table_blocks: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Null blocks to append to a table of ``num_table_blocks`` so that it reaches the
+        first block the token at ``num_computed_tokens`` reads (for KV a connector loads
+        past a table's end: a sliding-window group needs only its window's part)."""
+        return []
+
     def num_blocks_to_allocate(self, request_id: str, num_slots: int, num_hit_blocks: int) -> int:
         held = len(self.req_to_blocks.get(request_id, ()))
         return max(0, _cdiv(num_slots, self.block_size) - held - num_hit_blocks)
@@ -210,6 +216,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 hit.extend(b for b in found[first:n] if b is not None)
                 return hit
         return []
+
+    def skipped_blocks(self, num_table_blocks: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+        first = self._first_needed_block(num_computed_tokens)
+        return [self.null_block] * max(0, first - num_table_blocks)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         table = self.req_to_blocks.get(request_id)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
+from kvferry.config import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,3 +110,53 @@ def test_greedy_matches_hf_under_preemption(
         _check_idle(llm)
     finally:
         llm.engine.shutdown()
+
+
+def _example(path: Path) -> dict[str, Any]:
+    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(path)}}  # fmt: skip
+
+
+def test_example_connector_hits_are_token_identical(
+    model_dir: Path, prompts: list[list[int]], expected: list[list[int]], tmp_path: Path
+) -> None:
+    """A fresh engine loads the stored prefixes (a sliding layer's file holds only its
+    window's blocks) and generates exactly what a run without a connector does."""
+    kv = _example(tmp_path / "kv")
+    first = _llm(model_dir, kv_transfer_config=kv, num_kv_blocks=120)
+    try:
+        got, outs = _generate(first, prompts)
+        assert got == expected
+        assert all(o.metrics.num_external_cached_tokens == 0 for o in outs)
+        _check_idle(first)
+    finally:
+        first.engine.shutdown()
+    second = _llm(model_dir, kv_transfer_config=kv, num_kv_blocks=120)
+    try:
+        got, outs = _generate(second, prompts)
+        assert got == expected
+        for prompt, out in zip(prompts, outs, strict=True):
+            m = out.metrics
+            assert m.num_local_cached_tokens + m.num_external_cached_tokens == (
+                (len(prompt) - 1) // 16 * 16
+            )
+        assert sum(o.metrics.num_external_cached_tokens for o in outs) > 0
+        _check_idle(second)
+    finally:
+        second.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"},
+        {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"connectors": [
+             {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+             {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}]}},
+    ],
+    ids=["mooncake", "multi-with-mooncake"],
+)  # fmt: skip
+def test_connector_without_hma_is_refused(model_dir: Path, kv: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="does not implement SupportsHMA.*2 KV cache groups"):
+        _llm(model_dir, kv_transfer_config=kv)
