@@ -9,13 +9,15 @@ import torch
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """Layers that share one block table (kvferry's models have a single full-attention group)."""
+    """Layers that share one block table: one group per attention type of the model (full
+    attention; a sliding window of ``sliding_window`` tokens, vLLM's ``SlidingWindowSpec``)."""
 
     layer_names: tuple[str, ...]
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    sliding_window: int | None = None
 
     @property
     def bytes_per_block_per_layer(self) -> int:
@@ -37,7 +39,24 @@ class KVCacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(g.bytes_per_block_per_layer * len(g.layer_names) for g in self.groups)
+        return sum(self.groups[0].bytes_per_block_per_layer for _ in self.kv_cache_tensors)
+
+    @property
+    def kv_cache_tensors(self) -> tuple[tuple[str, ...], ...]:
+        """The layers sharing each KV tensor: the ``i``-th layer of every group. A block id
+        belongs to one group at a time, so layers of different groups can share a tensor
+        (their groups' pages have one shape); with one group every layer has its own."""
+        n = max(len(g.layer_names) for g in self.groups)
+        return tuple(
+            tuple(g.layer_names[i] for g in self.groups if i < len(g.layer_names)) for i in range(n)
+        )
+
+    @property
+    def null_block_id(self) -> int | None:
+        """The id standing for "no block" in a sliding-window group's table (the pool sets
+        block 0 aside for it: never written, never read), or None without such a group.
+        Connectors skip it: nothing is loaded into or saved from it."""
+        return 0 if any(g.sliding_window is not None for g in self.groups) else None
 
     @property
     def layer_names(self) -> tuple[str, ...]:

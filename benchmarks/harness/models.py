@@ -1,4 +1,4 @@
-"""The random-weight benchmark models (``tiny``, ``mid``, ``qwen3-0.6b``), built on first use
+"""The random-weight benchmark models (``tiny``, ``mid``, ``qwen3-0.6b``, ``tiny-hybrid``), built on first use
 into ``.bench/models/<name>`` (``benchmarks/models.py`` builds them from the command line).
 
 Random weights need no download and still give deterministic greedy outputs, so backends
@@ -39,11 +39,14 @@ class ModelSpec:
     # small corpus, a few thousand entries); "words": a word-level tokenizer with one entry
     # per model id, so every id the model can emit decodes and re-encodes to itself.
     tokenizer: str = "generator"
+    # qwen2/qwen3: every other layer (from layer 1) attends to this many tokens only (a
+    # hybrid model: full and sliding-window KV cache groups).
+    sliding_window: int | None = None
 
 
 # Fields added after models were first cached: left out of the cache stamp while they keep
 # their default, so that adding them did not invalidate (and rebuild) the cached models.
-_LATER_FIELDS = ("arch", "head_dim", "rope_theta", "tokenizer")
+_LATER_FIELDS = ("arch", "head_dim", "rope_theta", "tokenizer", "sliding_window")
 
 
 SPECS: dict[str, ModelSpec] = {
@@ -80,6 +83,19 @@ SPECS: dict[str, ModelSpec] = {
         arch="qwen3",
         rope_theta=1_000_000.0,
         tokenizer="words",
+    ),
+    # ``tiny``'s size as Qwen3 with layers 1 and 3 sliding over 32 tokens: the hybrid KV
+    # cache path (two groups, blocks leaving the window given back) at overhead-bound size.
+    "tiny-hybrid": ModelSpec(
+        "tiny-hybrid",
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        vocab=2048,
+        intermediate=688,
+        arch="qwen3",
+        sliding_window=32,
     ),
 }
 
@@ -163,10 +179,19 @@ def _make_with_transformers(spec: ModelSpec, out_dir: Path) -> None:
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        **_sliding_config(spec),
     )
     model = model_cls(config).float().eval()
     model.save_pretrained(out_dir)
     _write_tokenizer(out_dir, spec.vocab)
+
+
+def _sliding_config(spec: ModelSpec) -> dict[str, Any]:
+    """transformers config fields of the layout kvferry's generator writes for a window."""
+    if spec.sliding_window is None:
+        return {}
+    types = ["sliding_attention" if i % 2 else "full_attention" for i in range(spec.layers)]
+    return {"use_sliding_window": True, "sliding_window": spec.sliding_window, "layer_types": types}
 
 
 def _make_with_kvferry(spec: ModelSpec, out_dir: Path) -> None:
@@ -187,6 +212,7 @@ def _make_with_kvferry(spec: ModelSpec, out_dir: Path) -> None:
         dtype="float32",
         seed=spec.seed,
         tie_word_embeddings=spec.tie_word_embeddings,
+        sliding_window=spec.sliding_window,
     )
     if spec.tokenizer == "words":
         # Same special tokens at the same ids as the generator's tokenizer, whose

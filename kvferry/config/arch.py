@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.config.errors import ConfigError
+from kvferry.config.layer_types import SLIDING_ATTENTION, parse_layer_types
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -38,6 +39,16 @@ class ArchConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # One attention type per layer (see kvferry.config.layer_types) and the sliding window,
+    # None when no layer slides.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer ``layer_idx``, or None for a full-attention layer."""
+        if self.layer_types and self.layer_types[layer_idx] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
 
     @staticmethod
     def from_dict(raw: dict[str, Any], source: str = "config.json") -> ArchConfig:
@@ -94,12 +105,14 @@ class ArchConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         default_bias = family == "qwen2"
+        num_layers = size("num_hidden_layers")
+        layer_types, window = parse_layer_types(raw, family, num_layers, source)
         return ArchConfig(
             family=family,
             architecture=arch,
             hidden_size=hidden,
             intermediate_size=size("intermediate_size"),
-            num_hidden_layers=size("num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -114,4 +127,6 @@ class ArchConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            layer_types=layer_types,
+            sliding_window=window,
         )

@@ -10,6 +10,13 @@ With KV cache events on, the pool also reports what its prefix cache gains and l
 routers (:mod:`kvferry.kv_events`, medium ``GPU`` as vLLM names the engine pool): a hash is
 announced when its first copy is published and withdrawn when its last copy loses it, so a
 subscriber that keeps a set of hashes is always exact.
+
+Hybrid models (several KV cache groups, e.g. full and sliding-window attention) share one
+pool: a block id belongs to one group at a time. The prefix cache is kept per group (the same
+tokens have different KV in each group's layers), and only group 0's (the full-attention
+group) produces events. A pool made with ``reserve_null_block`` sets block 0 aside as the
+*null block*: it stands in a sliding-window table for blocks that left the window, is never
+handed out, freed, cached or written, and no attention path reads it.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ class KVCacheBlock:
     free queue; both are None while the block is not in the queue (or is at an end of it).
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        # The KV cache group whose prefix cache holds the block (while block_hash is set).
+        self.group_id = 0
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -119,8 +128,10 @@ class BlockPool:
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
         block_size: int = 0,
+        num_groups: int = 1,
+        reserve_null_block: bool = False,
     ) -> None:
-        if num_blocks <= 0:
+        if num_blocks <= int(reserve_null_block):
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if enable_kv_cache_events and block_size <= 0:
             raise ValueError("KV cache events need the pool's block_size")
@@ -130,16 +141,22 @@ class BlockPool:
         self.block_size = block_size
         self.kv_event_queue: list[KVCacheEvent] = []
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        # Several blocks can hold the same content (e.g. two requests computed the same prefix
-        # before either was published), so each hash maps to a set of blocks keyed by id.
-        self.cached_blocks: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.null_block: KVCacheBlock | None = self.blocks[0] if reserve_null_block else None
+        self.free_queue = FreeBlockQueue(self.blocks[int(reserve_null_block) :])
+        # Blocks that can ever be handed out (all but the null block).
+        self.num_usable_blocks = num_blocks - int(reserve_null_block)
+        # Per group: several blocks can hold the same content (e.g. two requests computed the
+        # same prefix before either was published), so each hash maps to blocks keyed by id.
+        self.cached_by_group: list[dict[BlockHash, dict[int, KVCacheBlock]]] = [
+            {} for _ in range(num_groups)
+        ]
+        self.cached_blocks = self.cached_by_group[0]
 
     # -- lookup ---------------------------------------------------------------------------
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """Any block holding ``block_hash``'s content, or None."""
-        entry = self.cached_blocks.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
+        """Any block of group ``group_id`` holding ``block_hash``'s content, or None."""
+        entry = self.cached_by_group[group_id].get(block_hash)
         if not entry:
             return None
         return next(iter(entry.values()))
@@ -152,7 +169,7 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the LRU end, evicting their cached content."""
@@ -172,16 +189,22 @@ class BlockPool:
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference on each block (prefix-cache hit); revives free ones."""
+        """Take one more reference on each block (prefix-cache hit); revives free ones. The
+        null block is skipped."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching zero join the free queue's tail
-        in the given order, so the first ones given are the first to be evicted later."""
+        in the given order, so the first ones given are the first to be evicted later. The
+        null block is skipped."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -197,26 +220,34 @@ class BlockPool:
         num_full_blocks: int,
         token_ids: Sequence[int] = (),
         cache_salt: str | None = None,
+        group_id: int = 0,
     ) -> None:
-        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
+        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes, in group
+        ``group_id``'s prefix cache.
 
         ``block_hashes[i]`` is the hash of ``blocks[i]``'s content. Blocks that already carry
-        a hash (prefix-cache hits) are left as they are. ``token_ids`` (the sequence's tokens
-        from its start) and ``cache_salt`` are only read for events.
+        a hash (prefix-cache hits) are left as they are, null blocks too. ``token_ids`` (the
+        sequence's tokens from its start) and ``cache_salt`` are only read for events, which
+        only group 0 produces.
         """
         if not self.enable_caching:
             return
         assert num_full_blocks <= min(len(blocks), len(block_hashes))
-        events = self.enable_kv_cache_events
+        events = self.enable_kv_cache_events and group_id == 0
+        cached = self.cached_by_group[group_id]
         run_start: int | None = None  # first block of the run of new hashes being built
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
+            if block is self.null_block:
+                assert not events, "group 0 has no null blocks"
+                continue
             if block.block_hash is not None:
                 assert block.block_hash == block_hashes[i], "block content changed under its hash"
                 new_hash = False
             else:
                 block.block_hash = block_hashes[i]
-                entry = self.cached_blocks.setdefault(block.block_hash, {})
+                block.group_id = group_id
+                entry = cached.setdefault(block.block_hash, {})
                 # Another block may already hold this content (two requests computed the
                 # same prefix); subscribers heard of the hash then.
                 new_hash = not entry
@@ -238,17 +269,19 @@ class BlockPool:
         """
         removed = self._removed_list()
         for block_id in block_ids:
-            self._drop_hash(self.blocks[block_id], removed)
+            if self.blocks[block_id] is not self.null_block:
+                self._drop_hash(self.blocks[block_id], removed)
         self._emit_removed(removed)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False) while any block is in use,
         because running requests rely on their published blocks staying consistent."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None
-        self.cached_blocks.clear()
+        for cached in self.cached_by_group:
+            cached.clear()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
@@ -257,12 +290,13 @@ class BlockPool:
         """Unpublish ``block``; its hash goes to ``removed`` if no other block holds it."""
         if block.block_hash is None:
             return
-        entry = self.cached_blocks.get(block.block_hash)
+        cached = self.cached_by_group[block.group_id]
+        entry = cached.get(block.block_hash)
         if entry is not None:
             entry.pop(block.block_id, None)
             if not entry:
-                del self.cached_blocks[block.block_hash]
-                if removed is not None:
+                del cached[block.block_hash]
+                if removed is not None and block.group_id == 0:
                     removed.append(block.block_hash)
         block.block_hash = None
 
@@ -309,7 +343,15 @@ class BlockPool:
             assert self.blocks[block.block_id] is block, f"foreign block {block} in queue"
             prev = block
         assert self.free_queue.tail is prev, "free-queue tail is off"
-        zero_ref = {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        null = self.null_block
+        if null is not None:
+            assert null.ref_cnt == 0 and null.block_hash is None, "the null block is in use"
+            assert (
+                null.prev_free is None
+                and null.next_free is None
+                and self.free_queue.head is not null
+            )
+        zero_ref = {b.block_id for b in self.blocks if b.ref_cnt == 0 and b is not null}
         assert set(ids) == zero_ref, (
             f"free queue {sorted(ids)} != blocks with ref_cnt 0 {sorted(zero_ref)}"
         )
@@ -318,11 +360,13 @@ class BlockPool:
             if block.ref_cnt > 0:
                 assert block.prev_free is None and block.next_free is None
             if block.block_hash is not None:
-                entry = self.cached_blocks.get(block.block_hash, {})
+                entry = self.cached_by_group[block.group_id].get(block.block_hash, {})
                 assert entry.get(block.block_id) is block, f"{block} missing from hash map"
-        for block_hash, entry in self.cached_blocks.items():
-            assert entry, "empty hash-map entry"
-            for block_id, block in entry.items():
-                assert block.block_id == block_id and block.block_hash == block_hash, (
-                    f"hash map entry for {block} is stale"
-                )
+        for group_id, cached in enumerate(self.cached_by_group):
+            for block_hash, entry in cached.items():
+                assert entry, "empty hash-map entry"
+                for block_id, block in entry.items():
+                    assert block.block_id == block_id and block.block_hash == block_hash, (
+                        f"hash map entry for {block} is stale"
+                    )
+                    assert block.group_id == group_id, f"{block} cached in the wrong group"

@@ -34,6 +34,7 @@ from kvferry.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorStats,
+    SupportsHMA,
 )
 from kvferry.request import Request, RequestStatus
 from kvferry.step_types.kv_connector_output import KVConnectorOutput
@@ -174,7 +175,10 @@ class ConnectorState:
             num_local, self.block_size, num_external, load_async and num_external > 0
         )
         if num_kept < num_local:
-            blocks = KVCacheBlocks((list(blocks.blocks[0][: num_kept // self.block_size]),))
+            # (Whole-block local hits never get here: a cut sliding-window hit could be short
+            # of its window's blocks.)
+            n = num_kept // self.block_size
+            blocks = KVCacheBlocks(tuple(list(g[:n]) for g in blocks.blocks))
         return PrefixHit(blocks, num_kept, num_external, load_async)
 
     def _restores_every_group(self, connector: KVConnectorBase, request: Request) -> bool:
@@ -247,10 +251,7 @@ class ConnectorState:
         must run to release it: loading, loaded, running) still need to cover their known
         tokens. Without this, loads could fill the pool with requests none of which can run
         (each waiting for a block another holds), and nothing would ever free a block."""
-        bs, kvm = self.block_size, self.kv_cache_manager
-        return sum(
-            max(0, -(-r.num_tokens // bs) - kvm.get_num_held_blocks(r.request_id)) for r in holders
-        )
+        return sum(self.kv_cache_manager.get_num_blocks_to_cover(r) for r in holders)
 
     def is_load_finished(self, req_id: str) -> bool:
         return req_id in self._loads_done
@@ -279,9 +280,13 @@ class ConnectorState:
         delay_free, params, error = False, None, None
         connector = self.connector
         if connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)
             try:
-                delay_free, params = connector.request_finished(request, block_ids)
+                # As vLLM: a connector for several groups hears of all of them.
+                if isinstance(connector, SupportsHMA):
+                    delay_free, params = connector.request_finished_all_groups(request, block_ids)
+                else:
+                    delay_free, params = connector.request_finished(request, block_ids[0])
             except Exception as e:
                 delay_free, params = False, None
                 error = _hook_error(connector, "request_finished", request, e)

@@ -8,6 +8,12 @@ A request's block table covers its tokens left to right, ``block_size`` tokens p
 *computed* blocks the request already holds; *new local hit* blocks come from this pool's
 prefix cache (shared, ref-counted); *external hit* blocks are allocated here and filled by a KV
 connector; *new* and *lookahead* blocks are allocated for the tokens the model computes.
+
+A hybrid model has one KV cache group per attention type (full, sliding window), and so one
+table per group per request, all of the same length; each group's table is kept by its
+:mod:`~kvferry.core.single_type_kv_cache_manager` and this class coordinates them over one
+shared pool: a prefix hit is the longest every group can serve, and an allocation succeeds
+only if the pool has room for what all groups need.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 
 from kvferry.config import ConfigError
 from kvferry.core.block_pool import BlockPool, KVCacheBlock
+from kvferry.core.single_type_kv_cache_manager import make_manager
 from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.kv_events.events import KVCacheEvent
 from kvferry.request import Request
@@ -28,7 +35,7 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheBlocks:
-    """Blocks per KV cache group (kvferry has exactly one group today).
+    """Blocks per KV cache group, in group order (``KVCacheConfig.groups``).
 
     Returned by :meth:`KVCacheManager.allocate_slots` (the newly allocated blocks) and by
     :meth:`KVCacheManager.get_blocks` (a request's whole table). Treat it as read-only.
@@ -102,12 +109,11 @@ class KVCacheManager:
         log_stats: bool = True,
         enable_kv_cache_events: bool = False,
     ) -> None:
-        if len(kv_cache_config.groups) != 1:
-            raise ConfigError(
-                f"kvferry supports exactly one KV cache group, got {len(kv_cache_config.groups)}"
-            )
+        groups = kv_cache_config.groups
+        if not groups or len({g.block_size for g in groups}) != 1:
+            raise ConfigError("KV cache groups must exist and share one block_size")
         self.block_size = kv_cache_config.block_size
-        self.num_groups = 1
+        self.num_groups = len(groups)
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
@@ -116,11 +122,13 @@ class KVCacheManager:
             enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
             block_size=self.block_size,
+            num_groups=self.num_groups,
+            reserve_null_block=kv_cache_config.null_block_id is not None,
         )
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are published in the prefix cache; blocks
-        # past this index may still be filling up.
-        self.num_cached_blocks: dict[str, int] = {}
+        self.managers = [make_manager(g, i, self.block_pool) for i, g in enumerate(groups)]
+        # Group 0's tables and published counts (every group holds the same requests).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = self.managers[0].req_to_blocks
+        self.num_cached_blocks: dict[str, int] = self.managers[0].num_cached_blocks
         self.prefix_cache_stats = PrefixCacheStats()
 
     # -- queries --------------------------------------------------------------------------
@@ -130,6 +138,11 @@ class KVCacheManager:
         return self.block_pool.num_blocks
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can be handed out: all but the null block of a hybrid pool."""
+        return self.block_pool.num_usable_blocks
+
+    @property
     def usage(self) -> float:
         return self.block_pool.usage
 
@@ -137,13 +150,21 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks((list(self.req_to_blocks.get(request_id, ())),))
+        return KVCacheBlocks(
+            tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers)
+        )
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
 
     def get_num_held_blocks(self, request_id: str) -> int:
-        return len(self.req_to_blocks.get(request_id, ()))
+        """Blocks the request holds over all groups (null blocks not counted)."""
+        return sum(m.get_num_held_blocks(request_id) for m in self.managers)
+
+    def get_num_blocks_to_cover(self, request: Request) -> int:
+        """Blocks ``request`` still needs, over all groups and beyond those it holds, to
+        compute every token it knows of in one step."""
+        return sum(m.num_blocks_to_cover(request) for m in self.managers)
 
     def eviction_candidates(self, max_blocks: int) -> list[KVCacheBlock]:
         """The next ``max_blocks`` free blocks the pool hands out, oldest first (a cached one
@@ -165,15 +186,20 @@ class KVCacheManager:
         :meth:`allocate_slots` does both once the request is actually admitted.
         """
         if not self.enable_caching:
-            return KVCacheBlocks.empty(), 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return KVCacheBlocks((hits,)), len(hits) * self.block_size
+            return KVCacheBlocks.empty(self.num_groups), 0
+        num_hit = (request.num_tokens - 1) // self.block_size
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        # A sliding-window hit cut shorter need not be a hit (the blocks its window needs
+        # may be gone), so every group is asked again whenever one shortens the length; in
+        # the last round every group serves exactly ``num_hit`` blocks.
+        changed = True
+        while changed:
+            changed = False
+            for i, manager in enumerate(self.managers):
+                hits[i] = manager.find_longest_cache_hit(request.block_hashes, num_hit)
+                if len(hits[i]) < num_hit:
+                    num_hit, changed = len(hits[i]), True
+        return KVCacheBlocks(tuple(hits)), num_hit * self.block_size
 
     # -- allocation -----------------------------------------------------------------------
 
@@ -189,8 +215,10 @@ class KVCacheManager:
         num_reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Extend ``request``'s table to cover its computed, hit, external, new and lookahead
-        tokens; return the newly allocated blocks, or None (and change nothing) if that would
-        leave fewer than ``num_reserved_blocks`` free blocks.
+        tokens; return the newly allocated blocks (per group), or None (and allocate nothing)
+        if that would leave fewer than ``num_reserved_blocks`` free blocks. Sliding-window
+        groups first give back the blocks that left the window of every token from
+        ``request.num_computed_tokens`` on (null blocks take their place in the table).
 
         ``new_computed_blocks``/``num_new_computed_tokens`` come from :meth:`get_computed_blocks`.
         Full blocks up to ``min(computed + new, num_tokens)`` are published to the prefix cache
@@ -202,39 +230,57 @@ class KVCacheManager:
             raise ValueError("token counts passed to allocate_slots must be >= 0")
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("allocate_slots needs new tokens or external computed tokens")
-        hit_blocks = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
-        if len(hit_blocks) * self.block_size != num_new_computed_tokens:
+        groups = self.managers
+        hits = [list(b) for b in new_computed_blocks.blocks] if new_computed_blocks else []
+        hits = hits or [[] for _ in groups]
+        if len(hits) != len(groups) or any(len(h) != len(hits[0]) for h in hits):
+            raise ValueError("new_computed_blocks must hold one equally long hit per group")
+        if len(hits[0]) * self.block_size != num_new_computed_tokens:
             raise ValueError("num_new_computed_tokens must match new_computed_blocks")
         req_id = request.request_id
-        held = self.req_to_blocks.get(req_id, [])
-        if hit_blocks and held:
+        held = bool(self.req_to_blocks.get(req_id))
+        if hits[0] and held:
             raise ValueError("prefix-cache hits can only be adopted by a request without blocks")
 
+        # Blocks that left a sliding window go back first (also when the allocation then
+        # fails: no token still to compute reads them).
+        for manager in groups:
+            manager.remove_skipped_blocks(req_id, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_covered = num_computed + num_external_computed_tokens + num_new_tokens
+        # External tokens a sliding-window group's window does not reach get null blocks:
+        # nothing is loaded into them, nothing published from them.
+        for i, manager in enumerate(groups):
+            num_table = len(manager.req_to_blocks.get(req_id, ())) + len(hits[i])
+            hits[i] += manager.skipped_blocks(
+                num_table, num_computed + num_external_computed_tokens
+            )
         num_slots = min(num_covered + num_lookahead_tokens, self.max_model_len)
-        num_new_blocks = max(0, _cdiv(num_slots, self.block_size) - len(held) - len(hit_blocks))
+        num_new = [
+            m.num_blocks_to_allocate(req_id, num_slots, len(h))
+            for m, h in zip(groups, hits, strict=True)
+        ]
         # Free hit blocks are counted in the free queue but are about to be revived, not
         # handed out, so they don't count as room for new blocks.
-        num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        num_revived = sum(m.num_revived(h) for m, h in zip(groups, hits, strict=True))
         available = self.block_pool.get_num_free_blocks() - num_revived - num_reserved_blocks
-        if num_new_blocks > available:
+        if sum(num_new) > available:
             return None
 
-        # Touch before allocating so the hit blocks cannot be evicted by get_new_blocks.
-        self.block_pool.touch(hit_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        table = self.req_to_blocks.setdefault(req_id, [])
-        table.extend(hit_blocks)
-        table.extend(new_blocks)
-        # Hit blocks are published already; never re-publish them.
-        self.num_cached_blocks[req_id] = max(self.num_cached_blocks.get(req_id, 0), len(hit_blocks))
+        # Every group's hits are touched before any allocation, so no hit block can be
+        # evicted by get_new_blocks.
+        for hit in hits:
+            self.block_pool.touch(hit)
+        new_blocks = tuple(
+            m.allocate(req_id, h, n, touched=True)
+            for m, h, n in zip(groups, hits, num_new, strict=True)
+        )
 
         if self.enable_caching and not held:
             self._record_lookup(request, num_new_computed_tokens)
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(num_covered, request.num_tokens))
-        return KVCacheBlocks((new_blocks,))
+        return KVCacheBlocks(new_blocks)
 
     def _record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         # Recorded on the request's first successful allocation rather than in
@@ -253,23 +299,8 @@ class KVCacheManager:
         """Publish the request's full blocks covering its first ``num_computed_tokens`` tokens."""
         if not self.enable_caching:
             return
-        req_id = request.request_id
-        table = self.req_to_blocks.get(req_id, [])
-        num_full = min(
-            num_computed_tokens // self.block_size, len(table), len(request.block_hashes)
-        )
-        num_cached = self.num_cached_blocks.get(req_id, 0)
-        if num_full <= num_cached:
-            return
-        self.block_pool.cache_full_blocks(
-            table,
-            request.block_hashes,
-            num_cached,
-            num_full,
-            request.all_token_ids,
-            request.cache_salt,
-        )
-        self.num_cached_blocks[req_id] = num_full
+        for manager in self.managers:
+            manager.cache_blocks(request, num_computed_tokens)
 
     def uncache_blocks(self, request: Request, num_valid_tokens: int) -> None:
         """Unpublish the request's blocks from the one holding token ``num_valid_tokens`` on.
@@ -278,12 +309,15 @@ class KVCacheManager:
         hit those blocks any more, and the request publishes them again once it has recomputed
         them. Holders keep their references.
         """
-        req_id = request.request_id
-        first = num_valid_tokens // self.block_size
-        table = self.req_to_blocks.get(req_id, [])
-        self.block_pool.evict_blocks(b.block_id for b in table[first:] if b.block_hash is not None)
-        if req_id in self.num_cached_blocks:
-            self.num_cached_blocks[req_id] = min(self.num_cached_blocks[req_id], first)
+        for manager in self.managers:
+            manager.uncache_blocks(request.request_id, num_valid_tokens)
+
+    def can_recompute_from(self, request: Request, num_computed_tokens: int) -> bool:
+        """Whether ``request`` may rewind to ``num_computed_tokens`` and recompute from there
+        with the tables it holds: not when a sliding-window group already gave back blocks
+        that window reads (they would have to be refilled under ids the workers do not
+        know)."""
+        return all(m.holds_window(request.request_id, num_computed_tokens) for m in self.managers)
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (no-op if it holds none).
@@ -291,9 +325,8 @@ class KVCacheManager:
         Blocks are released last-first: the tail of a sequence is the least likely to be
         shared, so it should be the first evicted.
         """
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        for manager in self.managers:
+            manager.free(request.request_id)
 
     # -- prefix-cache maintenance ---------------------------------------------------------
 
@@ -321,15 +354,11 @@ class KVCacheManager:
         """
         self.block_pool.check_integrity()
         holders = [0] * self.num_blocks
-        for req_id, table in self.req_to_blocks.items():
-            ids = [b.block_id for b in table]
-            assert len(ids) == len(set(ids)), f"request {req_id} holds a block twice"
-            for block in table:
-                assert self.block_pool.blocks[block.block_id] is block, "foreign block"
-                holders[block.block_id] += 1
-            num_cached = self.num_cached_blocks.get(req_id, 0)
-            assert num_cached <= len(table), f"request {req_id} cached past its table"
-        assert set(self.num_cached_blocks) <= set(self.req_to_blocks), "stale cached marks"
+        for manager in self.managers:
+            manager.count_holders(holders)
+            assert set(manager.req_to_blocks) == set(self.req_to_blocks), "groups disagree"
+            for req_id, table in manager.req_to_blocks.items():
+                assert len(table) == len(self.req_to_blocks[req_id]), f"{req_id}: table lengths"
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (
                 f"{block} has ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders"

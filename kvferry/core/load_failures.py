@@ -61,6 +61,9 @@ def find_load_failures(
         if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             result.by_request[req_id] = LoadFailure(0, None, "the connector failed the whole load")
     invalid = _in_pool(kv_out.invalid_block_ids, kv_cache_manager.num_blocks)
+    null = kv_cache_manager.block_pool.null_block
+    if null is not None:  # holds no KV: nothing loaded into it can be bad
+        invalid.discard(null.block_id)
     if not invalid:
         return result
     result.bad_block_ids = invalid
@@ -70,10 +73,16 @@ def find_load_failures(
         if req_id in result.by_request:
             continue
         computed_before = request.num_computed_tokens - num_scheduled_tokens.get(req_id, 0)
-        table = kv_cache_manager.get_block_ids(req_id)[0][: -(-computed_before // bs)]
-        bad = next((i for i, block_id in enumerate(table) if block_id in invalid), None)
-        if bad is not None:
-            reason = f"block {table[bad]} (tokens {bad * bs}..{(bad + 1) * bs - 1}) is invalid"
+        # The first bad block of any KV cache group truncates the request.
+        found = [
+            (i, block_id)
+            for table in kv_cache_manager.get_block_ids(req_id)
+            for i, block_id in enumerate(table[: -(-computed_before // bs)])
+            if block_id in invalid
+        ]
+        if found:
+            bad, block_id = min(found)
+            reason = f"block {block_id} (tokens {bad * bs}..{(bad + 1) * bs - 1}) is invalid"
             result.by_request[req_id] = LoadFailure(bad * bs, bad, reason)
     return result
 

@@ -350,6 +350,12 @@ class Scheduler(SchedulerBase):
                 policy = "kv_load_failure_policy='fail'"
                 request.error = f"KV cache load failed: {failure.reason} ({policy})"
                 to_fail.append(request)
+            elif not self.kv_cache_manager.can_recompute_from(request, failure.num_valid_tokens):
+                request.error = (
+                    f"KV cache load failed: {failure.reason}; it cannot be recomputed: its "
+                    f"sliding-window blocks before the bad block were already released"
+                )
+                to_fail.append(request)
         return set(found.by_request), [
             self._finish(r, RequestStatus.FINISHED_ERROR) for r in to_fail
         ]

@@ -133,6 +133,12 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="qwen2/qwen3: every other layer (from layer 1) attends to this many tokens only",
+    )
     p.set_defaults(func=_cmd_make_tiny_model)
 
 
@@ -156,6 +162,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         seed=args.seed,
         tie_word_embeddings=args.tie_word_embeddings,
+        sliding_window=args.sliding_window,
     )
     print(f"wrote {args.arch} model to {out}")
     return 0

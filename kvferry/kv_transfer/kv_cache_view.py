@@ -24,6 +24,11 @@ class KVCacheBlockView(Protocol):
     @property
     def block_hash(self) -> BlockHash | None: ...
 
+    # The KV cache group whose prefix cache holds it (meaningful while block_hash is set;
+    # hybrid models have several groups, 0 is full attention).
+    @property
+    def group_id(self) -> int: ...
+
 
 class KVCacheBlocksView(Protocol):
     """Blocks per KV cache group, in block-table order (e.g. those a request was just given)."""

@@ -45,6 +45,11 @@ class Attention(nn.Module):
     With no metadata (a warm-up or profiling run) the batch is treated as one causal sequence
     and the cache is left alone.
 
+    ``sliding_window`` (a sliding-window layer): a query at position ``p`` sees only the keys
+    at ``p - sliding_window + 1 .. p``, in every path. Its metadata is its KV cache group's
+    (``ForwardContext.metadata_for``), whose block table may hold null blocks for the keys
+    that have left the window; no path reads them.
+
     KV connector hooks, when ``ctx.kv_connector`` has metadata bound for the step:
     ``wait_for_layer_load(layer_name)`` before the cache is touched, and
     ``save_kv_layer(layer_name, kv_cache, attn_metadata)`` once the new K/V are in the cache
@@ -58,6 +63,7 @@ class Attention(nn.Module):
         head_dim: int,
         layer_name: str,
         scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -70,6 +76,9 @@ class Attention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.layer_name = layer_name
         self.scale = head_dim**-0.5 if scale is None else scale
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
@@ -77,7 +86,7 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
-        meta = ctx.attn_metadata
+        meta = ctx.metadata_for(self.layer_name)
         if meta is None:
             return self._causal(q, k, v).reshape(n, -1)
 
@@ -142,11 +151,12 @@ class Attention(nn.Module):
         spills to DRAM is read back from DRAM at about the cost of the gather itself.
         """
         kernel = ws.decode_kernel
+        window = self.sliding_window
         if kernel is not None and kernel.supports(kv_cache, q):
-            return kernel(q, kv_cache, plan.block_table, plan.seq_lens, self.scale)
+            return kernel(q, kv_cache, plan.block_table, plan.seq_lens, self.scale, window)
         nreq, nblocks = plan.block_table.shape
         qg = q.view(nreq, self.num_kv_heads, self.group, self.head_dim)
-        mask = plan.additive_mask(q.dtype)
+        mask = plan.additive_mask(q.dtype, window)
         step = nreq
         if ws.decode_gather_bytes is not None:
             per_req = 2 * kv_cache[0, 0].numel() * nblocks * kv_cache.element_size()
@@ -191,8 +201,9 @@ class Attention(nn.Module):
         own ``k``/``v`` and a chunk with context gathers its blocks and masks."""
         qs = q[p.token_start : p.token_stop]
         kernel = ws.prefill_kernel
+        window = self.sliding_window
         if kernel is not None and kernel.supports(kv_cache, qs):
-            return kernel(qs, kv_cache, p.block_ids, p.context_len, self.scale)
+            return kernel(qs, kv_cache, p.block_ids, p.context_len, self.scale, window)
         if p.context_len == 0:
             return self._causal(
                 qs, k[p.token_start : p.token_stop], v[p.token_start : p.token_stop]
@@ -202,7 +213,7 @@ class Attention(nn.Module):
             qs.transpose(0, 1).unsqueeze(0),
             kv[0].unsqueeze(0),
             kv[1].unsqueeze(0),
-            attn_mask=p.mask,
+            attn_mask=p.window_mask(window) if p.needs_window(window) else p.mask,
             scale=self.scale,
             enable_gqa=self.group > 1,
         )
@@ -210,11 +221,18 @@ class Attention(nn.Module):
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Self-attention of one fresh sequence: ``[T, heads, d]`` in, ``[T, heads, d]`` out."""
+        n, window = q.shape[0], self.sliding_window
+        mask = None
+        if window is not None and n > window:
+            pos = torch.arange(n, device=q.device)
+            d = pos[:, None] - pos[None, :]
+            mask = (d >= 0) & (d < window)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.group > 1,
         )

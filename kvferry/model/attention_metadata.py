@@ -44,6 +44,11 @@ class DecodePlan:
     padded: bool
     _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
+    _window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    _float_window_masks: dict[tuple[torch.dtype, int], torch.Tensor | None] = field(
+        default_factory=dict, repr=False
+    )
+
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
         """[num_decodes, 1, 1, width] True where a key position is valid; None when every
@@ -55,17 +60,41 @@ class DecodePlan:
         positions = torch.arange(self.width, device=self.seq_lens.device)
         return (positions[None, :] < self.seq_lens[:, None]).view(n, 1, 1, self.width)
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+    def window_mask(self, window: int | None) -> torch.Tensor | None:
+        """:attr:`mask` for a sliding-window layer: also False for the keys that have left
+        the window (position below ``seq_len - window``). Built once per window."""
+        if window is None:
+            return self.mask
+        if window not in self._window_masks:
+            n = self.seq_lens.shape[0]
+            positions = torch.arange(self.width, device=self.seq_lens.device)[None, :]
+            lens = self.seq_lens[:, None]
+            m = (positions < lens) & (positions >= lens - window)
+            self._window_masks[window] = None if bool(m.all()) else m.view(n, 1, 1, self.width)
+        return self._window_masks[window]
+
+    def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor | None:
         """The mask as 0 / -inf in ``dtype``, converted once per step rather than per layer."""
+        if window is not None:
+            key = (dtype, window)
+            if key not in self._float_window_masks:
+                wm = self.window_mask(window)
+                self._float_window_masks[key] = None if wm is None else _additive(wm, dtype)
+            return self._float_window_masks[key]
         mask = self.mask
         if mask is None:
             return None
         m = self._float_masks.get(dtype)
         if m is None:
-            m = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            m.masked_fill_(~mask, float("-inf"))
+            m = _additive(mask, dtype)
             self._float_masks[dtype] = m
         return m
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    m = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    m.masked_fill_(~mask, float("-inf"))
+    return m
 
 
 @dataclass
@@ -88,11 +117,23 @@ class PrefillPlan:
         path reads it."""
         if self.context_len == 0:
             return None
+        return self.window_mask(None)
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """The causal mask over the whole sequence, for a sliding-window layer (``window``
+        keys up to and including each query's own position) or, with None, a full one."""
         device = self.block_ids.device
         q = self.token_stop - self.token_start
         # Query row r sits at position ctx + r and may see keys 0 .. ctx + r.
-        keys = torch.arange(self.seq_len, device=device)
-        return keys[None, :] <= (torch.arange(q, device=device) + self.context_len)[:, None]
+        keys = torch.arange(self.seq_len, device=device)[None, :]
+        pos = (torch.arange(q, device=device) + self.context_len)[:, None]
+        if window is None:
+            return keys <= pos
+        return (keys <= pos) & (keys > pos - window)
+
+    def needs_window(self, window: int | None) -> bool:
+        """Whether some query of the chunk has keys outside a window of ``window``."""
+        return window is not None and self.seq_len > window
 
 
 @dataclass

@@ -51,6 +51,13 @@ class ForwardContext:
     # Set before the forward by whoever wants intermediate hidden states (a connector's
     # start_load_kv); the decoder loop records into it.
     hidden_states_capture: HiddenStatesCapture | None = None
+    # Hybrid KV cache groups: layer name -> the metadata built from its group's block tables.
+    # Layers not listed (every layer, with one group) use ``attn_metadata``.
+    layer_attn_metadata: dict[str, AttentionMetadata] = field(default_factory=dict)
+
+    def metadata_for(self, layer_name: str) -> AttentionMetadata | None:
+        """The attention metadata layer ``layer_name`` reads this step."""
+        return self.layer_attn_metadata.get(layer_name, self.attn_metadata)
 
     @functools.cached_property
     def no_compile_layers(self) -> dict[str, AttentionLayerKV]:

@@ -57,6 +57,7 @@ class DecoderAttention(nn.Module):
             self.num_kv_heads,
             self.head_dim,
             layer_name=f"model.layers.{layer_idx}.self_attn.attn",
+            sliding_window=cfg.layer_sliding_window(layer_idx),
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

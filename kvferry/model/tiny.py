@@ -65,6 +65,9 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None,
+    sliding_window: int | None = None,
+    max_window_layers: int | None = None,
+    layer_types: list[str] | None = None,
 ) -> Path:
     """Write a random ``arch`` ("llama" | "qwen2" | "qwen3") checkpoint into ``out_dir``.
 
@@ -75,6 +78,11 @@ def make_tiny_model(
     Special tokens have ids 0..4: ``<|endoftext|>`` (eos), ``<|begin_of_text|>`` (bos),
     ``<|pad|>``, ``<|im_start|>``, ``<|im_end|>`` (a second eos, ending chat turns). The
     tokenizer adds no special tokens on its own. Returns ``out_dir`` as a ``Path``.
+
+    ``sliding_window`` (qwen2/qwen3 only) turns on ``use_sliding_window``: the layers named
+    "sliding_attention" in ``layer_types``, or without it layers ``max_window_layers`` and up
+    (default: every other layer from layer 1 slides), attend to the last ``sliding_window``
+    tokens only.
 
     Raises :class:`~kvferry.config.ConfigError` (a ``ValueError``), before writing anything,
     for a shape the engine cannot load: a non-positive size, ``heads`` not a multiple of
@@ -110,6 +118,8 @@ def make_tiny_model(
         arch, hidden, layers, heads, kv_heads, vocab, intermediate, max_position_embeddings,
         head_dim, dtype, tie_word_embeddings, rope_theta, rope_scaling,
     )  # fmt: skip
+    if sliding_window is not None or layer_types is not None:
+        _set_sliding_window(config, arch, layers, sliding_window, max_window_layers, layer_types)
     # Whatever the engine would refuse to load is refused here, before anything is written.
     ArchConfig.from_dict(config, "the requested model")
     out = Path(out_dir)
@@ -173,6 +183,26 @@ def _hf_config(
         if arch == "qwen3":
             config["attention_bias"] = False
     return config
+
+
+def _set_sliding_window(
+    config: dict[str, Any],
+    arch: str,
+    layers: int,
+    window: int | None,
+    max_window_layers: int | None,
+    layer_types: list[str] | None,
+) -> None:
+    if arch == "llama":
+        raise ConfigError("sliding_window and layer_types need arch qwen2 or qwen3")
+    config.update(use_sliding_window=window is not None, sliding_window=window)
+    if max_window_layers is not None:
+        config["max_window_layers"] = max_window_layers
+    elif layer_types is None and window is not None:
+        # Interleaved by default, the layout that needs hybrid KV cache groups.
+        layer_types = ["sliding_attention" if i % 2 else "full_attention" for i in range(layers)]
+    if layer_types is not None:
+        config["layer_types"] = list(layer_types)
 
 
 def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:

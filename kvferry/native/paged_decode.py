@@ -24,6 +24,7 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,  # num_reqs
     ctypes.c_int64,  # group (query heads per kv head)
     ctypes.c_float,  # scale
+    ctypes.c_int64,  # sliding window (0: none)
     ctypes.c_void_p,  # out
     ctypes.c_int,  # threads
 ]
@@ -46,11 +47,13 @@ class PagedDecodeKernel(PagedKVKernel):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q``: ``[num_reqs, num_heads, head_dim]`` whose rows may be strided, heads and
         head_dim contiguous; ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``;
         ``block_table``: ``[num_reqs, >= ceil(len / block_size)]`` int64, rows contiguous;
-        ``seq_lens``: ``[num_reqs]`` int64, each >= 1."""
+        ``seq_lens``: ``[num_reqs]`` int64, each >= 1. ``window``: a sliding window, the
+        query sees only the last ``window`` keys (blocks wholly before them are never read)."""
         nreq, heads, head_dim = q.shape
         _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -72,6 +75,7 @@ class PagedDecodeKernel(PagedKVKernel):
             nreq,
             heads // kv_heads,
             scale,
+            window or 0,
             out.data_ptr(),
             torch.get_num_threads(),
         )

@@ -23,6 +23,7 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,  # query length (tokens in the chunk)
     ctypes.c_int64,  # group (query heads per kv head)
     ctypes.c_float,  # scale
+    ctypes.c_int64,  # sliding window (0: none)
     ctypes.c_void_p,  # out
     ctypes.c_int,  # threads
 ]
@@ -58,11 +59,14 @@ class PagedPrefillKernel(PagedKVKernel):
         block_ids: torch.Tensor,
         context_len: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """``q``: ``[q_len, num_heads, head_dim]`` whose rows may be strided, heads and
         head_dim contiguous, for positions ``context_len .. context_len + q_len - 1``;
         ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``; ``block_ids``:
-        contiguous int64 covering ``context_len + q_len`` tokens."""
+        contiguous int64 covering ``context_len + q_len`` tokens. ``window``: a sliding window,
+        each query sees only the last ``window`` keys up to its own position (blocks wholly
+        before every query's window are never read)."""
         q_len, heads, head_dim = q.shape
         _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -83,6 +87,7 @@ class PagedPrefillKernel(PagedKVKernel):
             q_len,
             heads // kv_heads,
             scale,
+            window or 0,
             out.data_ptr(),
             torch.get_num_threads(),
         )

@@ -36,7 +36,9 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # One block table per KV cache group. A sliding-window group's table keeps the ids of
+    # blocks that left the window (the scheduler nulls them); attention never reads them.
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     generator: torch.Generator | None
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -63,6 +65,8 @@ class ModelRunner:
     def __init__(self, model: Any, block_size: int, device: torch.device, seed: int) -> None:
         self.model = model
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # Layer names per KV cache group; empty: one group of every layer.
+        self.layer_groups: list[tuple[str, ...]] = []
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
@@ -83,8 +87,14 @@ class ModelRunner:
         # as failed every step they are in, until the scheduler has finished them.
         self.unservable: dict[str, str] = {}
 
-    def initialize_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def initialize_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        layer_groups: list[tuple[str, ...]] | None = None,
+    ) -> None:
+        """``layer_groups``: the layers of each KV cache group (default: one group)."""
         self.kv_caches = kv_caches
+        self.layer_groups = list(layer_groups or [])
 
     def update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -103,7 +113,7 @@ class ModelRunner:
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=sp,
-                block_ids=list(new.block_ids[0]),
+                block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=gen,
             )
@@ -115,7 +125,8 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:
-                state.block_ids.extend(new_blocks[0])
+                for table, ids in zip(state.block_ids, new_blocks, strict=True):
+                    table.extend(ids)
             if i < len(cached.num_output_tokens):
                 # A recompute after a failed KV load discards the token sampled on bad KV.
                 del state.token_ids[state.num_prompt_tokens + cached.num_output_tokens[i] :]
@@ -159,20 +170,26 @@ class ModelRunner:
                 return ModelRunnerOutput()
             return ModelRunnerOutput(kv_connector_output=driver.no_forward(so))
         batch = self._prepare_batch(so)
-        attn_metadata = build_attention_metadata(
-            query_lens=batch.query_lens,
-            seq_lens=batch.seq_lens,
-            block_tables=[self.requests[r].block_ids for r in batch.req_ids],
-            block_size=self.block_size,
-            device=self.device,
-            # A decode kernel reads each request's blocks in place, so it takes all decodes
-            # in one plan.
-            group_decodes=self.attn_workspace.decode_kernel is None,
-        )
+        # One metadata per KV cache group (its block tables); group 0's is the default.
+        group_metadata = [
+            build_attention_metadata(
+                query_lens=batch.query_lens,
+                seq_lens=batch.seq_lens,
+                block_tables=[self.requests[r].block_ids[g] for r in batch.req_ids],
+                block_size=self.block_size,
+                device=self.device,
+                # A decode kernel reads each request's blocks in place, so it takes all
+                # decodes in one plan.
+                group_decodes=self.attn_workspace.decode_kernel is None,
+            )
+            for g in range(max(1, len(self.layer_groups)))
+        ]
         connector = driver.connector if driver is not None else None
         ctx = ForwardContext(
-            attn_metadata, self.kv_caches, connector, attn_workspace=self.attn_workspace
+            group_metadata[0], self.kv_caches, connector, attn_workspace=self.attn_workspace
         )
+        for names, meta in zip(self.layer_groups[1:], group_metadata[1:], strict=True):
+            ctx.layer_attn_metadata.update(dict.fromkeys(names, meta))
         kv_output = None
         with set_forward_context(ctx):
             if driver is None:

@@ -26,6 +26,7 @@ from kvferry.model.loader import load_model
 from kvferry.model.parallel import all_reduce_min, tp_size
 from kvferry.step_types.runner_output import ModelRunnerOutput
 from kvferry.step_types.scheduler_output import SchedulerOutput
+from kvferry.worker.kv_cache_layout import allocate_kv_caches, kv_cache_group_specs
 from kvferry.worker.kv_connector import KVConnectorDriver
 from kvferry.worker.model_runner import ModelRunner
 
@@ -95,21 +96,20 @@ class Worker:
                 seconds=time.perf_counter() - t0,
             )
         )
-        arch = mc.arch
-        group = KVCacheGroupSpec(
-            layer_names=tuple(self.model.layer_names),
-            block_size=config.cache_config.block_size,
-            num_kv_heads=arch.num_key_value_heads // tp_size(),  # this rank's KV heads
-            head_dim=arch.head_dim,
-            dtype=mc.torch_dtype,
+        # One KV cache group per attention type (a hybrid model has several); this rank's
+        # share of the KV heads.
+        groups = kv_cache_group_specs(
+            mc.arch,
+            self.model.layer_names,
+            config.cache_config.block_size,
+            mc.torch_dtype,
+            num_kv_heads=mc.arch.num_key_value_heads // tp_size(),
         )
+        group = groups[0]
         # Every rank's pool has the same number of blocks: the scheduler hands out one id space.
-        num_blocks = all_reduce_min(self._num_blocks(group))
-        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=(group,))
-        shape = (2, num_blocks, group.block_size, group.num_kv_heads, group.head_dim)
-        self.kv_caches = {
-            name: zeroed_kv_tensor(shape, group.dtype, self.device) for name in group.layer_names
-        }
+        num_blocks = all_reduce_min(self._num_blocks(groups))
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=groups)
+        self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device, zeroed_kv_tensor)
         logger.info(
             fmt_fields(
                 "KV cache allocated",
@@ -119,7 +119,9 @@ class Worker:
                 bytes=_fmt_bytes(num_blocks * self.kv_cache_config.bytes_per_block),
             )
         )
-        self.model_runner.initialize_kv_caches(self.kv_caches)
+        self.model_runner.initialize_kv_caches(
+            self.kv_caches, [g.layer_names for g in self.kv_cache_config.groups]
+        )
         self.kv_connector: KVConnectorBase | None = None
         if config.kv_transfer_config is not None:
             connector = KVConnectorFactory.create_connector(
@@ -145,10 +147,13 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
 
-    def _num_blocks(self, group: KVCacheGroupSpec) -> int:
+    def _num_blocks(self, groups: tuple[KVCacheGroupSpec, ...]) -> int:
         cc, mc = self.config.cache_config, self.config.model_config
-        per_block = group.bytes_per_block_per_layer * len(group.layer_names)
-        need = -(-mc.max_len // group.block_size)
+        per_block = KVCacheConfig(num_blocks=1, groups=groups).bytes_per_block
+        # One request of max_len tokens in every group (a prompt computed in one step holds
+        # all its blocks in a sliding-window group too), and a hybrid pool's null block.
+        hybrid = any(g.sliding_window is not None for g in groups)
+        need = len(groups) * -(-mc.max_len // groups[0].block_size) + int(hybrid)
         avail = available_memory(self.device)
         if cc.num_kv_blocks is not None:
             budget = cc.num_kv_blocks * per_block

@@ -25,7 +25,7 @@ def test_stamp_leaves_out_later_fields_at_their_defaults() -> None:
     # stamps must not change, or every cached folder would be rebuilt.
     for name in ("tiny", "mid"):
         stamp = spec_stamp(SPECS[name], "kvferry")
-        assert not {"arch", "head_dim", "rope_theta", "tokenizer"} & set(stamp)
+        assert not {"arch", "head_dim", "rope_theta", "tokenizer", "sliding_window"} & set(stamp)
     q = spec_stamp(SPECS["qwen3-0.6b"], "kvferry")
     assert q["arch"] == "qwen3" and q["head_dim"] == 128 and q["tokenizer"] == "words"
 
@@ -63,3 +63,19 @@ def test_realistic_rows_are_fixed_length_fp32_and_bf16() -> None:
     assert full["qwen3-0.6b-bf16-p64"].num_prompts == 64
     assert full["qwen3-0.6b-bf16-p64"].dtype == "bfloat16"
     assert "mid-fp32-mixed" in full  # the other models keep their mixed rows
+
+
+def test_hybrid_spec_builds_a_sliding_window_model_and_has_one_row(tmp_path: Path) -> None:
+    spec = SPECS["tiny-hybrid"]
+    assert spec_stamp(spec, "kvferry")["sliding_window"] == 32
+    for generator in ("kvferry", "transformers"):
+        out = tmp_path / generator
+        out.mkdir()
+        build_model(replace(spec, vocab=600, hidden=64, intermediate=96), out, generator)
+        arch = ArchConfig.from_dict(json.loads((out / "config.json").read_text()), generator)
+        assert arch.sliding_window == 32
+        assert [arch.layer_sliding_window(i) for i in range(4)] == [None, 32, None, 32]
+    for quick in (False, True):
+        assert [r.name for r in build_rows(quick) if r.model == "tiny-hybrid"] == [
+            "tiny-hybrid-fp32-p64"
+        ]

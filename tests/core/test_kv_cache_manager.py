@@ -92,10 +92,11 @@ def test_pool_touch_revives_from_middle_and_eviction_drops_hash() -> None:
     pool.check_integrity()
 
 
-def test_multiple_groups_rejected() -> None:
+def test_groups_of_different_block_sizes_rejected() -> None:
     g = KVCacheGroupSpec(("l0",), BS, 1, 8, torch.float32)
-    with pytest.raises(ConfigError):
-        KVCacheManager(KVCacheConfig(num_blocks=4, groups=(g, g)), 64)
+    h = KVCacheGroupSpec(("l1",), 2 * BS, 1, 8, torch.float32, sliding_window=8)
+    with pytest.raises(ConfigError, match="block_size"):
+        KVCacheManager(KVCacheConfig(num_blocks=4, groups=(g, h)), 64)
 
 
 # -- allocation ---------------------------------------------------------------------------

@@ -46,7 +46,11 @@ KVOutputSpec = KVConnectorOutput | Callable[[SchedulerOutput], KVConnectorOutput
 _request_ids = itertools.count()
 
 
-def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCacheConfig:
+def make_kv_cache_config(
+    num_blocks: int, block_size: int = BLOCK_SIZE, sliding_window: int | None = None
+) -> KVCacheConfig:
+    """One full-attention group; with ``sliding_window`` a second, sliding-window group (a
+    hybrid model, whose pool then sets block 0 aside as the null block)."""
     group = KVCacheGroupSpec(
         layer_names=("model.layers.0.self_attn",),
         block_size=block_size,
@@ -54,7 +58,17 @@ def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCac
         head_dim=8,
         dtype=torch.float32,
     )
-    return KVCacheConfig(num_blocks=num_blocks, groups=(group,))
+    if sliding_window is None:
+        return KVCacheConfig(num_blocks=num_blocks, groups=(group,))
+    sliding = KVCacheGroupSpec(
+        layer_names=("model.layers.1.self_attn",),
+        block_size=block_size,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype=torch.float32,
+        sliding_window=sliding_window,
+    )
+    return KVCacheConfig(num_blocks=num_blocks, groups=(group, sliding))
 
 
 def create_scheduler(
@@ -71,6 +85,7 @@ def create_scheduler(
     kv_load_failure_policy: str = "fail",
     kv_events_config: KVEventsConfig | None = None,
     kv_event_publisher: KVEventPublisher | None = None,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -79,7 +94,7 @@ def create_scheduler(
             enable_chunked_prefill=enable_chunked_prefill,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-        make_kv_cache_config(num_blocks, block_size),
+        make_kv_cache_config(num_blocks, block_size, sliding_window),
         max_model_len=max_model_len,
         log_stats=log_stats,
         connector=connector,
@@ -151,9 +166,11 @@ def make_runner_output(
 @dataclass
 class _WorkerReq:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[int]  # group 0's table
     num_computed_tokens: int
     num_prompt_tokens: int
+    # Every group's table (groups[0] is block_ids).
+    groups: list[list[int]] = field(default_factory=list)
 
 
 class FakeWorker:
@@ -175,9 +192,10 @@ class FakeWorker:
             self.reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.reqs, f"{new.req_id} sent as new twice"
+            tables = [list(ids) for ids in new.block_ids]
             self.reqs[new.req_id] = _WorkerReq(
-                list(new.token_ids), list(new.block_ids[0]), new.num_computed_tokens,
-                new.num_prompt_tokens,
+                list(new.token_ids), tables[0], new.num_computed_tokens,
+                new.num_prompt_tokens, tables,
             )  # fmt: skip
         cached = so.scheduled_cached_reqs
         for req_id, blocks, num_computed, num_output in zip(
@@ -192,7 +210,8 @@ class FakeWorker:
             state.num_computed_tokens = num_computed
             del state.token_ids[state.num_prompt_tokens + num_output :]
             if blocks is not None:
-                state.block_ids.extend(blocks[0])
+                for table, ids in zip(state.groups, blocks, strict=True):
+                    table.extend(ids)
         assert set(so.num_scheduled_tokens) == {r.req_id for r in so.scheduled_new_reqs} | set(
             cached.req_ids
         )
@@ -207,8 +226,7 @@ class FakeWorker:
             assert end <= len(state.token_ids), f"{req_id}: scheduled past its tokens"
             assert len(state.block_ids) * self.block_size >= end, f"{req_id}: table too short"
             if self.scheduler is not None:
-                mgr = self.scheduler.kv_cache_manager
-                assert mgr.get_block_ids(req_id)[0] == state.block_ids, f"{req_id}: table differs"
+                self._check_tables(req_id, state, end - n)
             state.num_computed_tokens = end
             if end == len(state.token_ids):
                 tok = _pick(self.token, req_id, len(state.token_ids) - state.num_prompt_tokens)
@@ -217,6 +235,27 @@ class FakeWorker:
             else:
                 sampled.append([])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _check_tables(self, req_id: str, state: _WorkerReq, start: int) -> None:
+        """Full-attention tables equal the scheduler's. A sliding-window table may keep ids
+        the scheduler replaced with the null block, but only for blocks wholly before the
+        window of the step's first token (``start``)."""
+        assert self.scheduler is not None
+        mgr = self.scheduler.kv_cache_manager
+        null = mgr.block_pool.null_block
+        for manager, ours in zip(mgr.managers, state.groups, strict=True):
+            theirs = [b.block_id for b in manager.req_to_blocks[req_id]]
+            window = manager.spec.sliding_window
+            if window is None:
+                assert theirs == ours, f"{req_id}: table differs"
+                continue
+            assert null is not None and len(theirs) == len(ours), f"{req_id}: table differs"
+            first = max(0, start - window + 1) // self.block_size
+            for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+                if i < first:
+                    assert a in (b, null.block_id), f"{req_id}: block {i} differs"
+                else:
+                    assert a == b != null.block_id, f"{req_id}: window block {i} differs"
 
 
 def step(
@@ -303,7 +342,7 @@ def assert_no_leaks(scheduler: Scheduler) -> None:
     """Leak check for the end of every lifecycle test."""
     mgr = scheduler.kv_cache_manager
     scheduler.check_integrity()
-    assert mgr.get_num_free_blocks() == mgr.num_blocks, "blocks still held"
+    assert mgr.get_num_free_blocks() == mgr.num_usable_blocks, "blocks still held"
     assert not mgr.req_to_blocks, f"block tables left: {sorted(mgr.req_to_blocks)}"
     assert not scheduler.requests, f"requests left: {sorted(scheduler.requests)}"
     assert not scheduler.waiting and not scheduler.kv_holding and not scheduler.running

@@ -21,6 +21,10 @@ Under tensor parallelism (N ranks) each rank stores and loads its own KV heads, 
 ``<path>/<layout>-tp<N>/rank<r>/<key>/`` (``layout`` names the per-rank head count); a prefix
 is offered only once every rank's folder holds it.
 
+Hybrid models (``SupportsHMA``): a sliding-window layer's file holds only the blocks the
+window of the prefix's next token reads (its earlier blocks may be gone from the pool by the
+time the prefix is stored), and a load fills only those; the null block is never touched.
+
 Extra config: ``shared_storage_path`` (default ``/tmp/kvferry-example``).
 """
 
@@ -46,6 +50,7 @@ from kvferry.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from kvferry.kv_transfer.options import parse_options
 from kvferry.logger import init_logger
@@ -70,13 +75,15 @@ class ExampleOptions:
 @dataclass
 class PrefixJob:
     """Load or store tokens ``[start, num_tokens)`` of the stored prefix ``key`` (which holds
-    the request's first ``num_tokens`` tokens) in the request's blocks ``block_ids``."""
+    the request's first ``num_tokens`` tokens) in the request's blocks ``block_ids`` (group
+    0's; ``group_block_ids`` has every group's, empty meaning group 0 only)."""
 
     req_id: str
     key: str
     num_tokens: int
     block_ids: list[int]
     start: int = 0
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -88,7 +95,7 @@ class ExampleConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class _ReqState:
     request: Request
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV cache group
     store_len: int
     stored: bool = False
 
@@ -104,7 +111,7 @@ def prefix_keys(token_ids: list[int], block_size: int, limit: int) -> dict[int, 
     return keys
 
 
-class ExampleConnector(KVConnectorBase):
+class ExampleConnector(KVConnectorBase, SupportsHMA):
     _cache_hit_source = CacheHitSource.DISK  # its KV files
     # Extra-config keys a subclass consumes itself (not ExampleConnector options).
     subclass_options: tuple[str, ...] = ()
@@ -123,6 +130,15 @@ class ExampleConnector(KVConnectorBase):
         self.block_size = group.block_size
         layout = f"{group.num_kv_heads}x{group.head_dim}-{str(group.dtype).removeprefix('torch.')}"
         layout += f"-{len(group.layer_names)}l"
+        for g in kv_cache_config.groups[1:]:
+            layout += f"-{len(g.layer_names)}w{g.sliding_window}"
+        # Per layer: its group, and the window of its group (None: full attention).
+        self._layer_group = {
+            name: i for i, g in enumerate(kv_cache_config.groups) for name in g.layer_names
+        }
+        self._windows = [g.sliding_window for g in kv_cache_config.groups]
+        self._num_groups = len(kv_cache_config.groups)
+        self._null_block_id = kv_cache_config.null_block_id
         base = Path(opts.shared_storage_path) / layout
         world = getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1)
         # Every rank's folder (the scheduler checks them all); a worker uses its own.
@@ -173,7 +189,7 @@ class ExampleConnector(KVConnectorBase):
         store_len = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = _ReqState(request, [], store_len)
+            state = _ReqState(request, tuple([] for _ in range(self._num_groups)), store_len)
             self._reqs[request.request_id] = state
         if num_external_tokens > 0:
             # The longest stored prefix does not depend on the local hit, so the lookup that
@@ -183,8 +199,8 @@ class ExampleConnector(KVConnectorBase):
                 raise RuntimeError(
                     "ExampleConnector: stored prefix vanished between lookup and alloc"
                 )
-            block_ids = blocks.get_block_ids()[0][: n // self.block_size]
-            job = PrefixJob(request.request_id, key, n, block_ids, start=n - num_external_tokens)
+            tables = tuple(ids[: n // self.block_size] for ids in blocks.get_block_ids())
+            job = PrefixJob(request.request_id, key, n, tables[0], n - num_external_tokens, tables)
             self._loads.append(job)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -194,7 +210,7 @@ class ExampleConnector(KVConnectorBase):
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = tuple(list(ids) for ids in new.block_ids)
                 progress.append((new.req_id, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(
@@ -203,7 +219,8 @@ class ExampleConnector(KVConnectorBase):
             state = self._reqs.get(req_id)
             if state is not None:
                 if new_blocks is not None:
-                    state.block_ids.extend(new_blocks[0])
+                    for table, ids in zip(state.block_ids, new_blocks, strict=True):
+                        table.extend(ids)
                 progress.append((req_id, computed))
         for req_id, computed in progress:
             state = self._reqs[req_id]
@@ -214,8 +231,12 @@ class ExampleConnector(KVConnectorBase):
             tokens = state.request.all_token_ids[: state.store_len]
             key = prefix_keys(tokens, self.block_size, state.store_len)[state.store_len]
             if not self._complete(key):
-                blocks = state.block_ids[: state.store_len // self.block_size]
-                meta.stores.append(PrefixJob(req_id, key, state.store_len, blocks))
+                n = state.store_len // self.block_size
+                tables = tuple(ids[:n] for ids in state.block_ids)
+                meta.stores.append(
+                    PrefixJob(req_id, key, state.store_len, tables[0], group_block_ids=tables)
+                )
+                blocks = tables[0]
                 if self._kv_events:
                     self._unconfirmed.append((key, state.request, len(blocks)))
         return meta
@@ -249,12 +270,30 @@ class ExampleConnector(KVConnectorBase):
         self._reqs.pop(request.request_id, None)
         return False, None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Nothing per group to release: stores are written during the step that computed
+        # them. Goes through request_finished, which subclasses extend.
+        return self.request_finished(request, block_ids[0])
+
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
 
-    def _slots(self, job: PrefixJob, device: torch.device) -> torch.Tensor:
-        blocks = torch.tensor(job.block_ids, dtype=torch.long, device=device)
+    def _first_stored(self, layer_name: str, num_tokens: int) -> int:
+        """First position a layer's file of a ``num_tokens`` prefix holds: 0, or for a
+        sliding-window layer the start of the first block the next token's window reads."""
+        window = self._windows[self._layer_group.get(layer_name, 0)]
+        if window is None:
+            return 0
+        return max(0, num_tokens - window + 1) // self.block_size * self.block_size
+
+    def _slots(self, job: PrefixJob, device: torch.device, layer_name: str = "") -> torch.Tensor:
+        """The pool slots of positions ``0 .. num_tokens - 1`` in ``layer_name``'s group."""
+        group = self._layer_group.get(layer_name, 0)
+        ids = job.group_block_ids[group] if job.group_block_ids else job.block_ids
+        blocks = torch.tensor(ids, dtype=torch.long, device=device)
         offs = torch.arange(self.block_size, device=device)
         return (blocks[:, None] * self.block_size + offs[None, :]).reshape(-1)[: job.num_tokens]
 
@@ -266,7 +305,9 @@ class ExampleConnector(KVConnectorBase):
                 self._load(job)
             except (OSError, SafetensorError, KeyError, ValueError, RuntimeError) as e:
                 logger.warning("ExampleConnector: load of %s failed: %s", job.key[:12], e)
-                self._load_errors.update(job.block_ids[job.start // self.block_size :])
+                for ids in job.group_block_ids or (job.block_ids,):
+                    self._load_errors.update(ids[job.start // self.block_size :])
+                self._load_errors.discard(self._null_block_id)
 
     def _load(self, job: PrefixJob) -> None:
         folder = self.root / job.key
@@ -277,14 +318,16 @@ class ExampleConnector(KVConnectorBase):
             )
         for name, cache in self._kv_caches.items():
             kv = load_file(str(folder / f"{name}.safetensors"))["kv"]
-            expected = (2, job.num_tokens, *cache.shape[3:])
+            first = self._first_stored(name, job.num_tokens)
+            expected = (2, job.num_tokens - first, *cache.shape[3:])
             if tuple(kv.shape) != expected or kv.dtype != cache.dtype:
                 raise ValueError(
                     f"{name}: stored {tuple(kv.shape)} {kv.dtype}, expected {expected}"
                 )
             flat = cache.view(2, -1, *cache.shape[3:])
-            slots = self._slots(job, cache.device)[job.start :]
-            flat[:, slots] = kv[:, job.start :].to(cache.device)
+            start = max(job.start, first)
+            slots = self._slots(job, cache.device, name)[start:]
+            flat[:, slots] = kv[:, start - first :].to(cache.device)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -301,7 +344,9 @@ class ExampleConnector(KVConnectorBase):
                 tmp.mkdir(parents=True, exist_ok=True)
                 self._staged[job.key] = tmp
             flat = kv_layer.view(2, -1, *kv_layer.shape[3:])
-            kv = flat[:, self._slots(job, kv_layer.device)].to("cpu").contiguous()
+            first = self._first_stored(layer_name, job.num_tokens)
+            slots = self._slots(job, kv_layer.device, layer_name)[first:]
+            kv = flat[:, slots].to("cpu").contiguous()
             save_file({"kv": kv}, str(tmp / f"{layer_name}.safetensors"))
 
     def wait_for_save(self) -> None:

@@ -13,6 +13,8 @@
  *   cache  [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values)
  *   table  [num_reqs, table_stride] block ids
  *   lens   [num_reqs] context length including the new token (>= 1)
+ *   window 0, or a sliding window: the query (at position len - 1) sees only the last
+ *          `window` keys; blocks wholly before them are never read (they may be null blocks)
  *   out    [num_reqs, num_heads, head_dim]
  * Accumulation is in fp32; the bf16 variant widens on load and rounds the output to nearest
  * even.
@@ -99,19 +101,22 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
 #define DEFINE_ITEM(NAME, T, ROW)                                                             \
     static void NAME(const float *qf, const T *cache, int64_t num_blocks, int64_t block_size, \
                      int64_t num_kv_heads, int64_t head_dim, const int64_t *brow, int64_t len, \
-                     int64_t h0, int64_t nh, int64_t group, float scale, float *scores,        \
-                     float *acc, float *gsum, float *rows) {                                  \
+                     int64_t h0, int64_t nh, int64_t group, float scale, int64_t window,       \
+                     float *scores, float *acc, float *gsum, float *rows) {                   \
         (void)rows;                                                                           \
+        /* First key the query sees, and the block that holds it. */                          \
+        const int64_t lo = window > 0 && len > window ? len - window : 0;                     \
+        const int64_t first = lo - lo % block_size;                                           \
         const int64_t tok_stride = num_kv_heads * head_dim;                                   \
         const int64_t block_elems = block_size * tok_stride;                                  \
         const int64_t nq = nh * group;                                                        \
         const T *vals = cache + num_blocks * block_elems;                                     \
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                    \
+        for (int64_t t0 = first; t0 < len; t0 += block_size) {                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                  \
             const T *base = cache + brow[t0 / block_size] * block_elems + h0 * head_dim;      \
             if (t0 + block_size < len)                                                        \
                 PREFETCH_NEXT(cache, t0 + block_size);                                        \
-            int64_t j = 0;                                                                    \
+            int64_t j = t0 < lo ? lo - t0 : 0;                                                \
             for (; j + 4 <= n; j += 4) {                                                      \
                 const float *k0 = ROW(base + j * tok_stride, 0);                              \
                 const float *k1 = ROW(base + (j + 1) * tok_stride, 1);                        \
@@ -132,21 +137,21 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
         }                                                                                     \
         for (int64_t x = 0; x < nq; x++) {                                                    \
             float *sx = scores + x * len;                                                     \
-            float m = sx[0], z = 0.0f;                                                        \
-            for (int64_t t = 1; t < len; t++) m = sx[t] > m ? sx[t] : m;                      \
-            _Pragma("omp simd reduction(+ : z)") for (int64_t t = 0; t < len; t++) {          \
+            float m = sx[lo], z = 0.0f;                                                       \
+            for (int64_t t = lo + 1; t < len; t++) m = sx[t] > m ? sx[t] : m;                 \
+            _Pragma("omp simd reduction(+ : z)") for (int64_t t = lo; t < len; t++) {         \
                 sx[t] = expf((sx[t] - m) * scale);                                            \
                 z += sx[t];                                                                   \
             }                                                                                 \
             gsum[x] = z;                                                                      \
         }                                                                                     \
         memset(acc, 0, sizeof(float) * nq * head_dim);                                        \
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                    \
+        for (int64_t t0 = first; t0 < len; t0 += block_size) {                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                  \
             const T *base = vals + brow[t0 / block_size] * block_elems + h0 * head_dim;       \
             if (t0 + block_size < len)                                                        \
                 PREFETCH_NEXT(vals, t0 + block_size);                                         \
-            int64_t j = 0;                                                                    \
+            int64_t j = t0 < lo ? lo - t0 : 0;                                                \
             for (; j + 4 <= n; j += 4) {                                                      \
                 const float *v0 = ROW(base + j * tok_stride, 0);                              \
                 const float *v1 = ROW(base + (j + 1) * tok_stride, 1);                        \
@@ -195,7 +200,7 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int num_th
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
              int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int64_t *table, \
              int64_t table_stride, const int64_t *lens, int64_t num_reqs, int64_t group,       \
-             float scale, T *out, int num_threads) {                                          \
+             float scale, int64_t window, T *out, int num_threads) {                          \
         const int64_t longest = max_len(lens, num_reqs);                                      \
         const int64_t nh = heads_per_item(num_reqs, num_kv_heads, num_threads);               \
         const int64_t per_kv = num_kv_heads / nh, nq = nh * group;                            \
@@ -215,8 +220,8 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int num_th
                 const T *qr = q + r * q_row_stride + h0 * group * head_dim;                   \
                 T *o = out + (r * num_kv_heads + h0) * group * head_dim;                      \
                 ITEM(WIDEN_Q(qr), cache, num_blocks, block_size, num_kv_heads, head_dim,      \
-                     table + r * table_stride, lens[r], h0, nh, group, scale, scores, acc,    \
-                     gsum, rows);                                                             \
+                     table + r * table_stride, lens[r], h0, nh, group, scale, window, scores, \
+                     acc, gsum, rows);                                                        \
                 STORE_OUT(o, acc, nq * head_dim);                                             \
             }                                                                                 \
             free(scratch);                                                                    \

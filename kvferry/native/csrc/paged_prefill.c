@@ -14,7 +14,10 @@
  * per row, keys in tiles of KT) is elementwise over row vectors:
  *   scores  S[KT][ROWS] = K . Qt      (Qt pre-scaled)
  *   values  Ot[:][ROWS] = Ot * alpha + V^T . P
- * Rows past the chunk's end are padding and never stored. Accumulation is in fp32; bf16
+ * Rows past the chunk's end are padding and never stored. With a sliding `window` (> 0) the
+ * query at position p sees only keys p - window + 1 .. p: key tiles wholly before an item's
+ * queries' windows are never read (their blocks may be null blocks), and the tiles at the
+ * window's edge mask like the diagonal ones. Accumulation is in fp32; bf16
  * keys and values are widened one tile at a time and the output rounded to nearest even.
  *
  * Layouts:
@@ -147,16 +150,22 @@ static void values_tile(const float *restrict p, const float *const *restrict va
     }
 }
 
-/* Masks keys past each row's position (row r may see keys t <= lim[r]), turns scores into
- * probabilities and updates the running max m and sum l; alpha gets each row's rescale. */
+static inline int masked_key(int64_t t, int32_t lim, int64_t window) {
+    return t > lim || (window > 0 && t <= lim - window);
+}
+
+/* Masks keys outside each row's range (row r may see keys t <= lim[r], and with a window
+ * t > lim[r] - window), turns scores into probabilities and updates the running max m and
+ * sum l; alpha gets each row's rescale. A masked key's probability is exactly 0, also in a
+ * row whose keys in this tile are all masked (its max is then NEG itself). */
 static void softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t *restrict lim,
-                         int diagonal, float *restrict m, float *restrict l,
+                         int64_t window, int edge, float *restrict m, float *restrict l,
                          float *restrict alpha) {
-    if (diagonal) {
+    if (edge) {
         for (int64_t j = 0; j < n; j++) {
 #pragma omp simd
             for (int r = 0; r < ROWS; r++)
-                if (t0 + j > lim[r]) s[j * ROWS + r] = NEG;
+                if (masked_key(t0 + j, lim[r], window)) s[j * ROWS + r] = NEG;
         }
     }
     for (int v = 0; v < RV; v++) {
@@ -166,8 +175,13 @@ static void softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t
         for (int64_t j = 0; j < n; j++) {
             vf pj = vexp(vload(s + j * ROWS + 16 * v) - mx);
             vstore(s + j * ROWS + 16 * v, pj);
-            z += pj;
         }
+        if (edge && window > 0) {
+            for (int64_t j = 0; j < n; j++)
+                for (int r = 16 * v; r < 16 * v + 16; r++)
+                    if (masked_key(t0 + j, lim[r], window)) s[j * ROWS + r] = 0.0f;
+        }
+        for (int64_t j = 0; j < n; j++) z += vload(s + j * ROWS + 16 * v);
         vf a = vexp(mo - mx);
         vstore(alpha + 16 * v, a);
         vstore(m + 16 * v, mx);
@@ -188,7 +202,7 @@ typedef struct {
 #define DEFINE_PREFILL(NAME, T, TO_F32, FROM_F32)                                             \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
              int64_t block_size, int64_t num_kv_heads, int64_t d, const int64_t *table,      \
-             int64_t ctx, int64_t q_len, int64_t group, float scale, T *out,                 \
+             int64_t ctx, int64_t q_len, int64_t group, float scale, int64_t window, T *out,  \
              int num_threads) {                                                               \
         const int64_t tok_stride = num_kv_heads * d, block_elems = block_size * tok_stride;  \
         const T *vals = cache + num_blocks * block_elems;                                     \
@@ -227,7 +241,11 @@ typedef struct {
                 }                                                                             \
                 memset(w.ot, 0, sizeof(float) * d * ROWS);                                    \
                 const int64_t lim0 = ctx + q0, kend = ctx + q0 + nq;                          \
-                for (int64_t t0 = 0; t0 < kend; t0 += KT) {                                   \
+                /* With a window: the first key the item's first query sees, and the last     \
+                 * key position its last query cannot see any more. */                        \
+                const int64_t kstart = window > 0 && lim0 >= window ? lim0 - window + 1 : 0;  \
+                const int64_t lo_edge = window > 0 ? kend - window : -1;                      \
+                for (int64_t t0 = kstart; t0 < kend; t0 += KT) {                              \
                     const int64_t n = kend - t0 < KT ? kend - t0 : KT;                        \
                     const float *krow[KT], *vrow[KT];                                         \
                     for (int64_t j = 0; j < n; j++) {                                         \
@@ -247,7 +265,8 @@ typedef struct {
                         }                                                                     \
                     }                                                                         \
                     scores_tile(w.qt, krow, n, d, w.s);                                       \
-                    softmax_tile(w.s, n, t0, w.lim, t0 + n - 1 > lim0, w.m, w.l, w.alpha);    \
+                    softmax_tile(w.s, n, t0, w.lim, window, t0 + n - 1 > lim0 || t0 < lo_edge,  \
+                                 w.m, w.l, w.alpha);                                          \
                     values_tile(w.s, vrow, n, d, w.alpha, w.ot);                              \
                 }                                                                             \
                 for (int64_t r = 0; r < rows; r++) {                                          \

@@ -1,10 +1,11 @@
 """``vllm.v1.kv_cache_interface``: the KV pool layout as vLLM describes it, a view over
 kvferry's ``KVCacheConfig``.
 
-kvferry's models have one full-attention group; every layer owns its own tensor of shape
+kvferry's models have one full-attention group, and hybrid ones a sliding-window group
+besides (``SlidingWindowSpec``); the ``i``-th layers of all groups share one tensor of shape
 ``(2, num_blocks, block_size, num_kv_heads, head_size)``. The spec classes vLLM connectors
-test with ``isinstance`` exist; those kvferry never builds (Mamba, MLA, sliding window) are
-there only so such checks answer False.
+test with ``isinstance`` exist; those kvferry never builds (Mamba, MLA) are there only so
+such checks answer False.
 """
 
 from __future__ import annotations
@@ -85,7 +86,13 @@ class KVCacheGroupSpec:
 
 
 def _group(g: KvferryGroupSpec) -> KVCacheGroupSpec:
-    spec = FullAttentionSpec(g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
+    spec: AttentionSpec
+    if g.sliding_window is not None:
+        spec = SlidingWindowSpec(
+            g.block_size, g.num_kv_heads, g.head_dim, g.dtype, g.sliding_window
+        )
+    else:
+        spec = FullAttentionSpec(g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
     return KVCacheGroupSpec(list(g.layer_names), spec)
 
 
@@ -110,11 +117,8 @@ class KVCacheConfig:
 
     @property
     def kv_cache_tensors(self) -> list[KVCacheTensor]:
-        return [
-            KVCacheTensor(self._wrapped.num_blocks * g.bytes_per_block_per_layer, [name])
-            for g in self._wrapped.groups
-            for name in g.layer_names
-        ]
+        size = self._wrapped.num_blocks * self._wrapped.groups[0].bytes_per_block_per_layer
+        return [KVCacheTensor(size, list(names)) for names in self._wrapped.kv_cache_tensors]
 
     @property
     def prefix_cacheable_group_ids(self) -> tuple[int, ...]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvferry.config import ConfigError
-from kvferry.kv_transfer.base import CacheHitSource, KVConnectorRole
+from kvferry.kv_transfer.base import CacheHitSource, KVConnectorRole, SupportsHMA
 from kvferry.kv_transfer.connectors.offloading.layout import engine_facts
 from kvferry.kv_transfer.connectors.offloading.scheduler import OffloadingConnectorScheduler
 from kvferry.kv_transfer.connectors.offloading.worker import OffloadingConnectorWorker
@@ -14,9 +14,12 @@ from kvferry.kv_transfer.connectors.split import SplitConnector
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
     from kvferry.kv_cache_config import KVCacheConfig
+    from kvferry.request import Request
 
 
-class OffloadConnectorBase(SplitConnector[OffloadingConnectorScheduler, OffloadingConnectorWorker]):
+class OffloadConnectorBase(
+    SplitConnector[OffloadingConnectorScheduler, OffloadingConnectorWorker], SupportsHMA
+):
     """A :class:`SplitConnector` over an :class:`OffloadingConnectorScheduler` (or a preset of
     it) and an :class:`OffloadingConnectorWorker`; needs prefix caching, as offloaded KV is
     keyed by block hashes.
@@ -25,6 +28,9 @@ class OffloadConnectorBase(SplitConnector[OffloadingConnectorScheduler, Offloadi
     still reads a finished or preempted request's blocks is *fenced* instead. The scheduler
     half lists, each step, the store jobs whose source blocks this step reallocated; the
     worker waits for them in ``handle_preemptions``, before the forward can overwrite them.
+
+    Hybrid models (``SupportsHMA``): every KV cache group's copy of a chunk is offloaded
+    under its own key (see :mod:`~kvferry.kv_transfer.connectors.offloading.groups`).
 
     External hits come from host memory, or for a tiered connector with a disk tier from the
     tier each chunk is read from (the scheduler half splits them).
@@ -53,6 +59,11 @@ class OffloadConnectorBase(SplitConnector[OffloadingConnectorScheduler, Offloadi
         super().set_scheduler_half(half)
         if self._kv_events:
             half.enable_kv_events()
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0])
 
     def check_offload_integrity(self, idle: bool = False) -> None:
         """Leak check of the offload pool (scheduler role); see

@@ -75,6 +75,12 @@ class OffloadJobRunner:
         self._cuda = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Layers of different KV cache groups may share one tensor (hybrid models): a
+        # block's bytes are those of each distinct tensor, copied once.
+        distinct: dict[int, str] = {}
+        for name, cache in kv_caches.items():
+            distinct.setdefault(id(cache), name)
+        kv_caches = {name: kv_caches[name] for name in distinct.values()}
         first = next(iter(kv_caches.values()))
         self._cuda = first.device.type == "cuda"
         per_block = sum(c[:, 0].numel() * c.element_size() for c in kv_caches.values())

@@ -89,7 +89,8 @@ def resolve_layout(
         key = secret.key_for("disk-tier") if secret is not None else None
         fingerprint = layout_fingerprint(
             model_fingerprint(facts.model_path),
-            len(group.layer_names),
+            # Distinct KV tensors: a chunk file holds each one's blocks.
+            len(kv_cache_config.kv_cache_tensors),
             group.num_kv_heads,
             group.head_dim,
             group.dtype,

@@ -12,6 +12,9 @@ forward.
 
 KV cache events (:meth:`OffloadingConnectorScheduler.enable_kv_events`): the tiers announce
 and withdraw chunks block by block, host memory as ``CPU`` and the disk as ``STORAGE``.
+
+Hybrid models: each KV cache group's copy of a chunk is offloaded on its own (see
+:mod:`~kvferry.kv_transfer.connectors.offloading.groups`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from typing import Any
 from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.kv_events.events import KVCacheEvent
 from kvferry.kv_transfer.base import CacheHitSource, KVConnectorStats
+from kvferry.kv_transfer.connectors.offloading.groups import (
+    first_window_block,
+    group_key,
+    window_chunks,
+)
 from kvferry.kv_transfer.connectors.offloading.job_book import JobBook
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
 from kvferry.kv_transfer.connectors.offloading.metadata import OffloadingConnectorMetadata
@@ -89,6 +97,15 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             host, disk, self.stats, opts.store_threshold, opts.max_tracker_size
         )
         self._requests: dict[str, OffloadRequest] = {}
+        # KV cache groups beyond group 0, by index: their sliding windows (hybrid models).
+        self._windows = {
+            i: g.sliding_window
+            for i, g in enumerate(kv_cache_config.groups)
+            if i > 0 and g.sliding_window is not None
+        }
+        if len(kv_cache_config.groups) != 1 + len(self._windows):
+            raise ValueError(f"{name} handles one full-attention group and sliding windows")
+        self._null_block_id = kv_cache_config.null_block_id
         self._jobs = JobBook(world_size, self._host_blocks)
         # The step being planned: loads of the requests allocated so far, and the engine
         # blocks allocated (any store still reading one of them is flushed first).
@@ -136,7 +153,14 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             len(request.block_hashes) // self.blocks_per_chunk,
         )
         hits, waiting = self._scan(request, first, last, old_holds)
+        group_hits: list[tuple[int, int, Key, str]] = []
+        if self._windows and hits:
+            end = self._group_hit_end(request, first, first + len(hits))
+            hits = hits[: end - first]
+            group_hits = self._group_hits(request, first, end) if hits else []
         for key, tier in hits:
+            self.mgr.pin(req_id, key, tier)
+        for _, _, key, tier in group_hits:
             self.mgr.pin(req_id, key, tier)
         self.mgr.drop_holds(old_holds)
         if waiting:
@@ -146,11 +170,41 @@ class OffloadingConnectorScheduler(SchedulerHalf):
                 return None, False
         num_tokens = (first + len(hits)) * chunk_tokens - num_computed_tokens
         keys = [key for key, _ in hits] if num_tokens > 0 else []
-        record.lookup = Lookup(num_computed_tokens, keys)
+        record.lookup = Lookup(num_computed_tokens, keys, [(g, c, k) for g, c, k, _ in group_hits])
         if num_tokens <= 0:
             self.mgr.release(req_id)
             return 0, False
         return num_tokens, True
+
+    def _tier_of(self, key: Key) -> str | None:
+        """Where a complete copy of ``key`` can be loaded from ("cpu", "disk"), or None."""
+        status = self.mgr.lookup(key)
+        if status is LookupStatus.HIT:
+            return "cpu"
+        if status is LookupStatus.RETRY and self.mgr.disk_loadable(key):
+            return "disk"
+        return None
+
+    def _group_hits(
+        self, request: Request, first: int, end: int
+    ) -> list[tuple[int, int, Key, str]]:
+        """The other groups' chunk copies a hit of chunks ``[first, end)`` loads, with their
+        tiers, or [] when one of them is missing."""
+        found = []
+        for group, window in self._windows.items():
+            for chunk in window_chunks(end, first, window, self.block_size, self.blocks_per_chunk):
+                key = group_key(self._chunk_key(request, chunk), group)
+                tier = self._tier_of(key)
+                if tier is None:
+                    return []
+                found.append((group, chunk, key, tier))
+        return found
+
+    def _group_hit_end(self, request: Request, first: int, end: int) -> int:
+        """The largest hit end at most ``end`` whose window chunks every group has."""
+        while end > first and not self._group_hits(request, first, end):
+            end -= 1
+        return end
 
     def _scan(
         self, request: Request, first: int, last: int, old_holds: dict[tuple[str, Key], int]
@@ -192,7 +246,8 @@ class OffloadingConnectorScheduler(SchedulerHalf):
         record = self._requests.setdefault(req_id, OffloadRequest(request))
         record.request = request
         record.allocated = True
-        record.block_ids = list(blocks.get_block_ids()[0])
+        record.group_block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        record.block_ids = record.group_block_ids[0]
         lookup, record.lookup = record.lookup, None
         record.deferred_since = None
         if lookup is None:
@@ -201,7 +256,9 @@ class OffloadingConnectorScheduler(SchedulerHalf):
         num_local = lookup.num_local_tokens
         self.stats.add("lookup_tokens", request.num_tokens - num_local)
         # Blocks after the local hit were allocated now: fence them against pending stores.
-        self._step_allocated.update(record.block_ids[num_local // self.block_size :])
+        for table in record.group_block_ids:
+            self._step_allocated.update(table[num_local // self.block_size :])
+        self._step_allocated.discard(self._null_block_id)  # type: ignore[arg-type]
         if num_external_tokens > 0:
             self._plan_load(record, lookup, num_external_tokens)
         self.mgr.release(req_id)  # the load took its own pins
@@ -216,8 +273,12 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             (first_chunk + len(lookup.keys)) * per_chunk,
         )
         keys = lookup.keys[: _cdiv(end, per_chunk) - first_chunk]
-        slots = self.mgr.prepare_load(keys)
+        # Other groups' copies: the chunks their windows read below the hit's end.
+        extra = [(g, c, k) for g, c, k in lookup.group_keys if c < first_chunk + len(keys)]
+        slots = self.mgr.prepare_load(keys + [k for _, _, k in extra])
         load = RequestTransfer(record.request.request_id)
+        self._plan_group_loads(record, extra, slots[len(keys) :], start, end, load)
+        slots = slots[: len(keys)]
         record.hit_sources = {}
         hit_end = num_local + num_external
         for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
@@ -238,6 +299,33 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             source = CacheHitSource.DISK if from_disk else CacheHitSource.HOST
             record.hit_sources[source] = record.hit_sources.get(source, 0) + n
         self._step_loads.append(load)
+
+    def _plan_group_loads(
+        self,
+        record: OffloadRequest,
+        extra: list[tuple[int, int, Key]],
+        slots: list[int | None],
+        start: int,
+        end: int,
+        load: RequestTransfer,
+    ) -> None:
+        """Chunk transfers of other groups' copies into the blocks ``[start, end)`` of their
+        tables that are not null (a sliding-window table has null blocks before its window,
+        so a chunk's loaded blocks are its last ones)."""
+        per_chunk = self.blocks_per_chunk
+        for (group, chunk, key), slot in zip(extra, slots, strict=True):
+            table = record.group_block_ids[group]
+            chunk_start = chunk * per_chunk
+            lo, hi = max(start, chunk_start), min(end, chunk_start + per_chunk)
+            while lo < hi and table[lo] == self._null_block_id:
+                lo += 1
+            engine_blocks = table[lo:hi]
+            if slot is None:
+                load.chunks.append(ChunkTransfer(key, engine_blocks, None, [], lo - chunk_start))
+            else:
+                host_start = slot * per_chunk - chunk_start
+                host_blocks = [host_start + block for block in range(lo, hi)]
+                load.chunks.append(ChunkTransfer(key, engine_blocks, slot, host_blocks))
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -286,9 +374,11 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             record = self._requests.get(new.req_id)
             if record is None or not record.allocated:
                 continue
-            record.block_ids, record.next_chunk = list(new.block_ids[0]), 0
+            record.group_block_ids = [list(ids) for ids in new.block_ids]
+            record.block_ids, record.next_chunk = record.group_block_ids[0], 0
             num_computed = new.num_computed_tokens
-            self._step_allocated.update(record.block_ids[num_computed // self.block_size :])
+            for table in record.group_block_ids:
+                self._step_allocated.update(table[num_computed // self.block_size :])
             scheduled.append(ScheduledRequest(record, num_computed))
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
@@ -298,9 +388,12 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             if record is None or not record.allocated:
                 continue
             if new_blocks is not None:
-                record.block_ids.extend(new_blocks[0])
-                self._step_allocated.update(new_blocks[0])
+                for table, ids in zip(record.group_block_ids, new_blocks, strict=True):
+                    table.extend(ids)
+                    self._step_allocated.update(ids)
             scheduled.append(ScheduledRequest(record, num_computed))
+        if self._null_block_id is not None:
+            self._step_allocated.discard(self._null_block_id)
         return scheduled
 
     def _new_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
@@ -315,9 +408,47 @@ class OffloadingConnectorScheduler(SchedulerHalf):
             req_id = item.record.request.request_id
             end = item.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             store = self._plan_request_store(item.record, end)
+            if self._windows:
+                store = self._plan_group_stores(item, end, store)
             if store is not None:
                 stores.append(store)
         return stores
+
+    def _plan_group_stores(
+        self, item: ScheduledRequest, end_tokens: int, store: RequestTransfer | None
+    ) -> RequestTransfer | None:
+        """Add the other groups' copies of the chunks this step completes to ``store``: a
+        sliding-window group's only where all the chunk's blocks are still held (at or
+        after the first block the step's first token reads)."""
+        record = item.record
+        request = record.request
+        if self.opts.offload_prompt_only:
+            end_tokens = min(end_tokens, request.num_prompt_tokens)
+        per_chunk = self.blocks_per_chunk
+        num_full = min(
+            end_tokens // self.layout.chunk_tokens, len(request.block_hashes) // per_chunk
+        )
+        done = item.num_computed_tokens // self.layout.chunk_tokens  # stored before, or not at all
+        for group, window in self._windows.items():
+            held_from = first_window_block(item.num_computed_tokens, window, self.block_size)
+            table = record.group_block_ids[group]
+            chunks = [c for c in range(done, num_full) if c * per_chunk >= held_from]
+            keys = [group_key(self._chunk_key(request, c), group) for c in chunks]
+            plan = self.mgr.prepare_store(keys)
+            if not plan.keys and not plan.disk_only:
+                continue
+            store = store or RequestTransfer(request.request_id)
+            chunk_of = dict(zip(keys, chunks, strict=True))
+            blocks_of = {k: table[c * per_chunk : (c + 1) * per_chunk] for k, c in chunk_of.items()}
+            for key in plan.disk_only:
+                store.disk_only.append((key, blocks_of[key]))
+            for key, slot in zip(plan.keys, plan.slots, strict=True):
+                store.chunks.append(
+                    ChunkTransfer(key, blocks_of[key], slot, self._host_blocks(slot))
+                )
+            slot_of = dict(zip(plan.keys, plan.slots, strict=True))
+            store.write_through += [(key, slot_of[key]) for key in plan.disk_keys]
+        return store
 
     def _plan_request_store(
         self, record: OffloadRequest, end_tokens: int
@@ -386,6 +517,7 @@ class OffloadingConnectorScheduler(SchedulerHalf):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        # (Every group at once: nothing here is per group.)
         self._requests.pop(request.request_id, None)
         self.mgr.release(request.request_id)
         return False, None

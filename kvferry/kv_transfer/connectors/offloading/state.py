@@ -25,6 +25,8 @@ class Lookup:
 
     num_local_tokens: int
     keys: list[Key]
+    # Hybrid models: the other groups' chunk copies the hit needs, as (group, chunk, key).
+    group_keys: list[tuple[int, int, Key]] = field(default_factory=list)
 
 
 @dataclass
@@ -35,6 +37,9 @@ class OffloadRequest:
     # Set by the first allocation; from then on the request holds ``block_ids`` (its table).
     allocated: bool = False
     block_ids: list[int] = field(default_factory=list)
+    # Hybrid models: every group's table (group 0's is ``block_ids``). A sliding-window
+    # group's may keep ids of blocks the engine gave back (never read from here).
+    group_block_ids: list[list[int]] = field(default_factory=list)
     next_chunk: int = 0  # chunks below this were offered for storing already
     lookup: Lookup | None = None
     deferred_since: float | None = None  # monotonic time of the first lookup that waited

@@ -14,6 +14,7 @@ until the allocation. What the preset adds:
 from __future__ import annotations
 
 from kvferry.kv_cache_config import KVCacheConfig
+from kvferry.kv_transfer.connectors.offloading.groups import group_key
 from kvferry.kv_transfer.connectors.offloading.layout import OffloadLayout
 from kvferry.kv_transfer.connectors.offloading.options import OffloadingOptions
 from kvferry.kv_transfer.connectors.offloading.plans import ChunkTransfer, RequestTransfer
@@ -68,7 +69,8 @@ class SimpleCPUOffloadConnectorScheduler(OffloadingConnectorScheduler):
         keys: list[Key] = []
         engine_block_of: dict[Key, int] = {}
         for block in self._kv_cache_manager.eviction_candidates(self.lazy_window):
-            key = block.block_hash
+            # A block of another KV cache group holds that group's copy of the chunk.
+            key = None if block.block_hash is None else group_key(block.block_hash, block.group_id)
             if key is not None and key not in engine_block_of and not self.mgr.on_host(key):
                 keys.append(key)
                 engine_block_of[key] = block.block_id
