@@ -3,6 +3,7 @@ on, reference runs without a connector, stepping, draining and the block-leak ch
 
 from __future__ import annotations
 
+import heapq
 import os
 import tempfile
 import time
@@ -44,11 +45,15 @@ PROFILES = {
 
 @contextmanager
 def _trace_env(path: Path) -> Iterator[None]:
-    """The protocol trace is switched on by environment when connectors are built."""
+    """The protocol trace is switched on by environment when connectors are built. Each
+    engine gets a file of its own; it is appended to, never truncated, so that the run markers
+    of a tensor-parallel engine's worker processes (which open it before the scheduler side
+    does) survive."""
     saved = {k: os.environ.get(k) for k in ("KVFERRY_TRACE_CONNECTOR", "KVFERRY_TRACE_FILE",
                                             "KVFERRY_TRACE_APPEND")}  # fmt: skip
-    os.environ.update(KVFERRY_TRACE_CONNECTOR="1", KVFERRY_TRACE_FILE=str(path))
-    os.environ.pop("KVFERRY_TRACE_APPEND", None)
+    path.unlink(missing_ok=True)  # a reused workdir: start the engine's file anew
+    os.environ.update(KVFERRY_TRACE_CONNECTOR="1", KVFERRY_TRACE_FILE=str(path),
+                      KVFERRY_TRACE_APPEND="1")  # fmt: skip
     try:
         yield
     finally:
@@ -156,10 +161,46 @@ class EngineRun:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
+    @property
+    def world_size(self) -> int:
+        return int(getattr(self.engine.executor, "world_size", 1))
+
     def records(self) -> list[dict[str, Any]]:
+        """The whole trace in time order; a tensor-parallel engine's worker-side records carry
+        their ``rank``."""
+        return list(heapq.merge(*self._by_process().values(), key=lambda r: r.get("t", 0.0)))
+
+    def rank_records(self) -> dict[int, list[dict[str, Any]]]:
+        """Per rank, the scheduler side's records and that rank's worker-side ones in time
+        order: what one worker's connector and the scheduler's saw, as in a one-worker run."""
+        procs = self._by_process()
+        scheduler = [r for recs in procs.values() for r in recs if r.get("rank") is None]
+        ranks = sorted({r["rank"] for recs in procs.values() for r in recs if "rank" in r})
+        if not ranks:
+            return {0: self.records()}
+        return {
+            rank: list(heapq.merge(scheduler, [r for recs in procs.values() for r in recs
+                                               if r.get("rank") == rank],
+                                   key=lambda r: r.get("t", 0.0)))
+            for rank in ranks
+        }  # fmt: skip
+
+    def _by_process(self) -> dict[Any, list[dict[str, Any]]]:
+        """The trace's records per writing process (each list in its own order), worker-side
+        records of a tensor-parallel engine tagged with their rank (from the run marker's pid
+        and the executor's worker pids)."""
         if self.trace_path is None or not self.trace_path.exists():
-            return []
-        return [r for run in read_runs(self.trace_path) for r in run.records]
+            return {}
+        pids = list(getattr(self.engine.executor, "worker_pids", []))
+        out: dict[Any, list[dict[str, Any]]] = {}
+        for n, run in enumerate(read_runs(self.trace_path)):
+            pid = run.marker.get("pid") if run.marker else None
+            rank = pids.index(pid) if pid in pids else None
+            recs = out.setdefault(pid if pid is not None else f"run{n}", [])
+            for r in run.records:
+                recs.append({**r, "rank": rank} if rank is not None and
+                            r.get("role") == "worker" else r)  # fmt: skip
+        return out
 
 
 class Harness:
@@ -177,7 +218,8 @@ class Harness:
         self.params = SamplingParams(
             temperature=0.0, max_tokens=self.profile.max_tokens, ignore_eos=True
         )
-        self._refs: dict[tuple[tuple[int, ...], int | None], list[int]] = {}
+        self._refs: dict[tuple[tuple[int, ...], int | None, int], list[int]] = {}
+        self._tp_refs: dict[int, EngineRun] = {}  # tensor-parallel reference engines, by size
         self._n = 0
 
     def engine_args(self, kv: dict[str, Any] | None, **overrides: Any) -> EngineArgs:
@@ -202,17 +244,35 @@ class Harness:
         return EngineRun(engine, path)
 
     def reference(
-        self, prompts: dict[str, list[int]], params: SamplingParams
+        self, prompts: dict[str, list[int]], params: SamplingParams, tensor_parallel_size: int = 1
     ) -> dict[str, list[int]]:
-        """Greedy outputs of an engine without a connector (computed once per prompt)."""
-        todo = {r: p for r, p in prompts.items() if (tuple(p), params.max_tokens) not in self._refs}
+        """Greedy outputs of an engine without a connector (computed once per prompt). With
+        ``tensor_parallel_size`` > 1, of an engine of that many workers, started once and kept
+        until :meth:`close` (its start-up costs more than its runs)."""
+        tp = tensor_parallel_size
+        todo = {r: p for r, p in prompts.items()
+                if (tuple(p), params.max_tokens, tp) not in self._refs}  # fmt: skip
         if todo:
-            run = self.engine(None)
-            for rid, fin in run.run(todo, params).items():
-                self._refs[(tuple(todo[rid]), params.max_tokens)] = fin.token_ids
-            run.shutdown()
-        return {r: self._refs[(tuple(p), params.max_tokens)] for r, p in prompts.items()}
+            if tp == 1:
+                run = self.engine(None)
+            else:
+                if tp not in self._tp_refs:
+                    self._tp_refs[tp] = self.engine(None, tensor_parallel_size=tp)
+                run = self._tp_refs[tp]
+                run.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+            for rid, fin in run.run({f"ref{self._n}-{r}": p for r, p in todo.items()},
+                                    params).items():  # fmt: skip
+                self._refs[(tuple(todo[rid.split("-", 1)[1]]), params.max_tokens, tp)] = (
+                    fin.token_ids
+                )
+            self._n += 1
+            if tp == 1:
+                run.shutdown()
+        return {r: self._refs[(tuple(p), params.max_tokens, tp)] for r, p in prompts.items()}
 
     def close(self) -> None:
+        for run in self._tp_refs.values():
+            run.shutdown()
+        self._tp_refs.clear()
         if self._tmp is not None:
             self._tmp.cleanup()

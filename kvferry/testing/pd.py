@@ -44,9 +44,22 @@ class Handoff:
             self.prefill.step()
 
 
-def prefill(s: Subject, tag: str, lengths: list[int]) -> Handoff:
+def prefill(
+    s: Subject,
+    tag: str,
+    lengths: list[int],
+    on_engine: Callable[[EngineRun], None] | None = None,
+    **overrides: Any,
+) -> Handoff:
+    """Prefill the prompts; ``on_engine`` sees the engine before its first step."""
     prompts = s.prompts(tag, lengths)
-    run = s.h.engine(s.config(kv_role="kv_producer"))
+    run = s.h.engine(s.config(kv_role="kv_producer"), **overrides)
+    if on_engine is not None:
+        try:
+            on_engine(run)
+        except BaseException:
+            run.shutdown()
+            raise
     one = dataclasses.replace(s.h.params, max_tokens=1)
     remote = dataclasses.replace(one, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     fins = run.run(prompts, remote)
@@ -68,10 +81,18 @@ def decode(
     kv: dict[str, Any] | None = None,
     params: SamplingParams | None = None,
     on_step: Callable[[EngineRun], None] | None = None,
+    on_engine: Callable[[EngineRun], None] | None = None,
     **overrides: Any,
 ) -> tuple[EngineRun, dict[str, Finished]]:
-    """Run every handed-over prompt on a decode engine, stepping the prefill engine along."""
+    """Run every handed-over prompt on a decode engine, stepping the prefill engine along;
+    ``on_engine`` sees the decode engine before its first step."""
     run = s.h.engine(kv or s.config(kv_role="kv_consumer"), **overrides)
+    if on_engine is not None:
+        try:
+            on_engine(run)
+        except BaseException:
+            run.shutdown()
+            raise
     for rid, prompt in h.prompts.items():
         extra = {"kv_transfer_params": h.params.get(rid)}
         run.add(prompt, dataclasses.replace(params or s.h.params, extra_args=extra), rid)

@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Callable
 
 from kvferry.testing.harness import BLOCK_SIZE, EngineRun
-from kvferry.testing.report import NOT_APPLICABLE, NOT_EXERCISED
+from kvferry.testing.quorum import multi_worker_quorum
+from kvferry.testing.report import NOT_EXERCISED
 from kvferry.testing.subject import (
     WAITING_FOR_REMOTE_KVS,
     Outcome,
@@ -230,16 +231,6 @@ def restart_reuse(s: Subject) -> Outcome:
         problems + more + last,
         [f"a new engine loaded {sorted(n for n, _ in hits.values())} tokens"],
     )
-
-
-def multi_worker_quorum(s: Subject) -> Outcome:
-    from kvferry.worker.executor import UniProcExecutor
-
-    if UniProcExecutor.world_size == 1:
-        return Outcome(NOT_APPLICABLE, [
-            "kvferry runs one worker per engine (tensor_parallel_size 1 only), so there is "
-            "no quorum of workers to reach"])  # fmt: skip
-    return Outcome(NOT_EXERCISED, ["multi-worker quorum is not implemented in the kit"])
 
 
 SCENARIOS: dict[str, Callable[[Subject], Outcome]] = {

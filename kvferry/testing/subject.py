@@ -110,7 +110,10 @@ def close_run(run: EngineRun) -> tuple[list[str], list[dict[str, Any]]]:
         problems.append(str(e))
     run.shutdown()
     records = run.records()
-    problems += [f"call order: {v}" for v in check_order(records)]
+    # Per rank (a tensor-parallel engine's workers each run the worker side's sequence).
+    for rank, recs in run.rank_records().items():
+        where = f"rank {rank}: " if run.world_size > 1 else ""
+        problems += [f"call order: {where}{v}" for v in check_order(recs)]
     return problems, records
 
 
@@ -118,12 +121,19 @@ def verdict(problems: list[str], notes: list[str]) -> Outcome:
     return Outcome(FAILED, problems, notes) if problems else Outcome(PASSED, [], notes)
 
 
-def warm(s: Subject, run: EngineRun, prompts: dict[str, list[int]]) -> list[str]:
+def warm(
+    s: Subject,
+    run: EngineRun,
+    prompts: dict[str, list[int]],
+    refs: dict[str, list[int]] | None = None,
+) -> list[str]:
     """Run ``prompts`` once so the connector can store them, then drop the engine's own
-    prefix cache so that any hit afterwards must come from the connector."""
+    prefix cache so that any hit afterwards must come from the connector. ``refs``: the
+    prompts' reference outputs (default: a one-worker engine's)."""
     fins = run.run({f"w{r}": p for r, p in prompts.items()}, s.h.params)
-    refs = s.h.reference({f"w{r}": p for r, p in prompts.items()}, s.h.params)
-    problems = token_identity(fins, refs)
+    if refs is None:
+        refs = s.h.reference(prompts, s.h.params)
+    problems = token_identity(fins, {f"w{r}": t for r, t in refs.items()})
     try:
         run.drain()
     except TimeoutError as e:  # e.g. blocks a delayed free never releases; reported, not raised

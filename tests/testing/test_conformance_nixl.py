@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from kvferry.testing import (
-    NOT_APPLICABLE,
     NOT_EXERCISED,
     PASSED,
     Harness,
@@ -22,7 +21,7 @@ pytest.importorskip("nixl", reason="the NixlConnector needs the nixl package (ex
 
 PASSES = {"miss", "async hit", "full hit", "preemption during a load", "preemption during a save",
           "abort mid-load", "delayed free", "failed load, policy fail",
-          "failed load, policy recompute"}  # fmt: skip
+          "failed load, policy recompute", "multi-worker quorum"}  # fmt: skip
 NOT_REACHED = {"sync hit", "None deferral", "restart and reuse"}
 
 
@@ -44,7 +43,10 @@ def test_pd_connector_scenarios(harness: Harness, tmp_path: Path, name: str) -> 
         assert status[name].status == PASSED, report.to_text()
     for name in NOT_REACHED:
         assert status[name].status == NOT_EXERCISED and status[name].reasons, report.to_text()
-    assert status["multi-worker quorum"].status == NOT_APPLICABLE
+    # TP=2 prefill and decode engines: the prefill's frees and the decode's loads counted.
+    assert "finished_sending of 2 request(s) after reports from 2 of 2 ranks" in " ".join(
+        status["multi-worker quorum"].notes
+    ), report.to_text()
     assert "read [" in status["async hit"].notes[0]
     assert "until the decode engine read them" in status["delayed free"].notes[0]
     assert "the prefill engine freed its blocks" in status["abort mid-load"].notes[0]
