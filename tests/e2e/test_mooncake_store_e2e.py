@@ -162,3 +162,31 @@ def test_events_announce_what_the_store_holds(model_dir, reference, mooncake_mas
     assert all(len(e.token_ids) == 2 * 16 for e in stored)
     hashes = _scheduler(llm).stored_keys
     assert sorted(announced) == sorted(external_block_hash(h) for k in keys for h in hashes[k])
+
+
+def test_tp2_engines_share_through_the_store(tiny_model_factory, mooncake_master):
+    """Two TP=2 engines: each rank stores and loads its own heads under its own key; a chunk
+    is a hit only once both ranks stored it, and outputs match a TP=2 run without it."""
+    model_dir = tiny_model_factory("llama", heads=4, kv_heads=2)
+    args = {**engine_args(model_dir, None), "tensor_parallel_size": 2}
+    plain = LLM(**args)
+    reference, _ = generate(plain, PROMPTS)
+    plain.engine.shutdown()
+    kv = store_kv(mooncake_master)
+    first = LLM(**{**args, "kv_transfer_config": kv})
+    outs, hits = generate(first, PROMPTS)
+    assert outs == reference and hits == 0
+    keys = list(_scheduler(first).stored_keys)
+    stats = drain(first)
+    assert stats["stored_chunks"] == 12 and stats["put_bytes"] > 0
+    client = MooncakeStoreClient(load_mooncake_config(mooncake_master.config(0), environ={}))
+    assert client.setup() is None
+    try:
+        for r in (0, 1):  # each rank's own value of every chunk
+            assert client.exists([f"{k}/r{r}" for k in keys]) == [True] * len(keys)
+    finally:
+        client.close()
+    second = LLM(**{**args, "kv_transfer_config": kv})
+    outs, hits = generate(second, PROMPTS)
+    assert outs == reference and hits == FULL_HIT
+    drain(second)

@@ -22,6 +22,7 @@ from kvferry.kv_transfer.connectors.mooncake_store.layout import resolve_layout
 from kvferry.kv_transfer.connectors.mooncake_store.options import MooncakeStoreOptions
 from kvferry.kv_transfer.connectors.mooncake_store.scheduler import MooncakeStoreScheduler
 from kvferry.kv_transfer.connectors.mooncake_store.worker import MooncakeStoreWorker
+from kvferry.model.parallel import tp_rank
 from kvferry.kv_transfer.connectors.split import SplitConnector
 from kvferry.kv_transfer.options import parse_options
 from kvferry.kv_transfer.stores.mooncake_client import mooncake_available
@@ -68,7 +69,9 @@ class MooncakeStoreConnector(SplitConnector[MooncakeStoreScheduler, MooncakeStor
             )
         else:
             self.set_worker_half(
-                MooncakeStoreWorker(self.opts, self.mc_config, self.layout, kv_cache_config)
+                MooncakeStoreWorker(
+                    self.opts, self.mc_config, self.layout, kv_cache_config, rank=tp_rank()
+                )
             )
 
     def check_store_integrity(self, idle: bool = False) -> None:
