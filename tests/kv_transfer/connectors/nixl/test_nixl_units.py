@@ -69,7 +69,7 @@ def test_request_side():
         ({"remote_engine_id": ""}, "length >= 1"),
         ({"remote_host": "h; rm -rf /"}, "matching regex"),
         ({"remote_num_tokens": 0}, ">= 1"),
-        ({"tp_size": 2}, "this instance runs tensor_parallel_size=1"),
+        ({"tp_size": 0}, ">= 1"),
         ({"remote_request_id": None}, "got `null`"),
     ],
 )
