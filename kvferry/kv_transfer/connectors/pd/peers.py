@@ -99,11 +99,15 @@ class PeerClient:
     # -- any thread ------------------------------------------------------------------------
 
     def prepare(
-        self, spec: RecvSpec, source: int
+        self, spec: RecvSpec, source: int | None = None
     ) -> concurrent.futures.Future[tuple[AgentInfo, float]]:
-        """Handshake (cached) and claim at rank ``source`` of the prefill engine in the
-        background; the future gives that rank's agent info and until when (our monotonic
-        clock) it promised to hold the blocks, or raises ReadFailed."""
+        """Handshake (cached) and claim at rank ``source`` of the prefill engine (default:
+        the first rank this rank reads) in the background; the future gives that rank's agent
+        info and until when (our monotonic clock) it promised to hold the blocks, or raises
+        ReadFailed."""
+        if source is None:
+            assert spec.remote is not None
+            source = self.sources(spec.remote)[0]
         return self._submit(self._prepare(spec, source), ReadFailed("the engine is shutting down"))
 
     def forget(self, addr: Addr) -> None:

@@ -167,3 +167,83 @@ def test_compat_hash_ignores_tp_size_but_not_geometry(tiny_model_factory) -> Non
         assert other.hash != tp1.hash
         with pytest.raises(hs.IncompatiblePeer, match="layout="):
             hs.Codec(tp1).decode_request(hs.Codec(other).encode(hs.HandshakeRequest("P", 0)), "p")
+
+
+class _PieceTransport:
+    """Records head-sliced READs; a READ from prefill rank ``fail_rank`` fails."""
+
+    name = "agent-D"
+
+    def __init__(self, fail_rank: int | None) -> None:
+        self.fail_rank = fail_rank
+        self.posted: list[tuple[str, int, int]] = []  # (peer agent, pieces, length)
+
+    def add_peer(self, info: object) -> object:
+        from kvferry.kv_transfer.connectors.nixl.agent import RemotePeer
+
+        return RemotePeer(info.agent_name, KVLayout.of_peer(info), None)  # type: ignore[attr-defined]
+
+    def read(self, *args: object) -> tuple[object, str]:
+        raise AssertionError("across TP sizes every READ is head-sliced")
+
+    def read_pieces(self, peer, local, remote, length, notif):  # type: ignore[no-untyped-def]
+        assert len(local) == len(remote)
+        self.posted.append((peer.name, len(local), length))
+        return peer.name, "PROC"
+
+    def state(self, handle: object) -> str:
+        return "ERR" if handle == f"agent-P{self.fail_rank}" else "DONE"
+
+    def release(self, handle: object) -> bool:
+        return True
+
+    def remove_peer(self, peer: object) -> None:
+        pass
+
+
+def _two_source_reader(transport: _PieceTransport) -> object:
+    import collections
+    import time
+    from concurrent.futures import Future
+
+    import zmq
+
+    from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
+    from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef
+    from kvferry.kv_transfer.connectors.pd.reader import Reader, _Leg, _Read
+
+    # This engine: TP=1, one rank with 2 KV heads of 8 floats; the prefill engine: TP=2.
+    local = KVLayout(32, 16 * 2 * 8 * 4, 16, "DRAM", 0, (1 << 20,))
+    stats: dict[str, float] = collections.defaultdict(float)
+    codec = hs.Codec(hs.Compat("x"))
+    reader = Reader(
+        transport, local, codec, zmq.Context(), "D", NixlOptions(handshake_timeout=0.1), stats
+    )  # type: ignore[arg-type]
+    legs = []
+    for rank in (0, 1):
+        info = hs.AgentInfo("P", f"agent-P{rank}", b"md", rank, 2, 16, 32, 512, "DRAM", 0, [8192])
+        prep: Future[object] = Future()
+        prep.set_result((info, time.monotonic() + 60))
+        legs.append(_Leg(rank, prep))  # type: ignore[arg-type]
+    ref = RemoteRef("P", "127.0.0.1", 1, "p", tp_size=2)
+    reader._reads["r"] = _Read(RecvSpec("r", ref, [1, 2], [3, 4], 20, "d"), legs)
+    return reader
+
+
+@pytest.mark.parametrize("fail_rank", [None, 0, 1])
+def test_a_read_from_several_prefill_ranks_fails_as_a_whole(fail_rank: int | None) -> None:
+    transport = _PieceTransport(fail_rank)
+    reader = _two_source_reader(transport)
+    try:
+        reader.poll()  # type: ignore[attr-defined]
+        done, failed = reader.take()  # type: ignore[attr-defined]
+        assert done == {"r"} and failed == (set() if fail_rank is None else {"r"})
+        # Each source rank's READ: one piece per (layer, K|V, block, token) of its 1 head.
+        assert {(name, n, size) for name, n, size in transport.posted} <= {
+            ("agent-P0", 2 * 2 * 16, 8 * 4),
+            ("agent-P1", 2 * 2 * 16, 8 * 4),
+        }
+        if fail_rank is None:
+            assert len(transport.posted) == 2 and reader.stats["reads"] == 1  # type: ignore[attr-defined]
+    finally:
+        reader.shutdown()  # type: ignore[attr-defined]
