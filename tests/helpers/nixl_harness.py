@@ -54,10 +54,10 @@ def _slow_posts(engine_id: str, delay: float) -> None:
 
     original = reader.Reader._post
 
-    def post(self: Any, rd: Any, info: Any) -> None:
+    def post(self: Any, rd: Any, leg: Any, info: Any) -> None:
         if info.engine_id == engine_id:
             time.sleep(delay)
-        original(self, rd, info)
+        original(self, rd, leg, info)
 
     reader.Reader._post = post  # type: ignore[method-assign]
 

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvferry.kv_transfer.connectors.pd.handshake import AgentInfo, ProtocolError
@@ -143,6 +144,23 @@ class MooncakeTransport:
                     lens.append(n * bb)
         message = base64.b64encode(notif).decode("ascii")
         handle = self._pool.submit(self._transfer, peer.session, bufs, peer_addrs, lens, message)
+        return handle, PROC
+
+    def read_pieces(
+        self,
+        peer: Any,
+        local_addrs: np.ndarray,
+        remote_addrs: np.ndarray,
+        length: int,
+        notif: bytes,
+    ) -> tuple[Any, str]:
+        assert isinstance(peer, MooncakePeer)
+        bufs = [int(a) for a in local_addrs]
+        peer_addrs = [int(a) for a in remote_addrs]
+        message = base64.b64encode(notif).decode("ascii")
+        handle = self._pool.submit(
+            self._transfer, peer.session, bufs, peer_addrs, [length] * len(bufs), message
+        )
         return handle, PROC
 
     def _transfer(

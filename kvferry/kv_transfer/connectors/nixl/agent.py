@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvferry.kv_transfer.connectors.pd.handshake import AgentInfo, ProtocolError
@@ -44,6 +45,14 @@ class RemotePeer:
     name: str
     layout: KVLayout
     dlist: Any  # nixl_prepped_dlist_handle
+
+
+def _rows(addrs: np.ndarray, length: int, device_id: int) -> np.ndarray:
+    out = np.empty((len(addrs), 3), dtype=np.uint64)
+    out[:, 0] = addrs
+    out[:, 1] = length
+    out[:, 2] = device_id
+    return out
 
 
 UCX_MODULES_DEFAULT = "^*efa*"
@@ -204,6 +213,30 @@ class NixlTransport:
             peer.layout.indices(remote_ids),
             notif,
         )
+        try:
+            return handle, self.agent.transfer(handle)
+        except Exception:
+            self.release(handle)
+            raise
+
+    def read_pieces(
+        self,
+        peer: RemotePeer,
+        local_addrs: np.ndarray,
+        remote_addrs: np.ndarray,
+        length: int,
+        notif: bytes,
+    ) -> tuple[Any, str]:
+        """A READ of arbitrary pieces: descriptor lists made for this transfer only (a
+        prepared list of every piece of the pool would be ``block_size`` times larger)."""
+        assert self.layout is not None
+        local = self.agent.get_xfer_descs(
+            _rows(local_addrs, length, self.layout.device_id), self.layout.mem_type
+        )
+        remote = self.agent.get_xfer_descs(
+            _rows(remote_addrs, length, peer.layout.device_id), peer.layout.mem_type
+        )
+        handle = self.agent.initialize_xfer("READ", local, remote, peer.name, notif)
         try:
             return handle, self.agent.transfer(handle)
         except Exception:

@@ -64,7 +64,7 @@ class Compat:
     """What two instances must share to exchange KV blocks, and its hash."""
 
     desc: str
-    tp_size: int = 1  # the engine's tensor-parallel size (also in desc)
+    tp_size: int = 1  # the engine's tensor-parallel size (not in desc: it may differ)
 
     @property
     def hash(self) -> str:
@@ -82,15 +82,18 @@ class Compat:
         mc = config.model_config
         arch = hashlib.sha256(repr(mc.arch).encode()).hexdigest()[:12]
         g = kv_cache_config.groups[0]
+        tp = config.parallel_config.tensor_parallel_size
+        # The model's KV heads in all (a rank holds 1/tp of them): instances of different
+        # tensor-parallel sizes pair, each rank's share is checked at the handshake.
         layout = (
-            f"kv2xNxB{g.block_size}xH{g.num_kv_heads}xD{g.head_dim}"
+            f"kv2xNxB{g.block_size}xH{g.num_kv_heads * tp}xD{g.head_dim}"
             f"xL{len(kv_cache_config.layer_names)}"
         )
         dtype = str(g.dtype).removeprefix("torch.")
         return Compat(
             f"model={Path(mc.model).name}/{mc.arch.architecture}/{arch} "
             f"weights={weights_fingerprint(mc.model)} dtype={dtype} "
-            f"layout={layout} tp={config.parallel_config.tensor_parallel_size} "
+            f"layout={layout} "
             f"protocol={PROTOCOL_VERSION} kvferry={__version__}"
             + (f" transport={transport}" if transport else ""),
             config.parallel_config.tensor_parallel_size,

@@ -2,7 +2,10 @@
 
 A finished prefill request's blocks are *held* for ``lease`` seconds. A reader *claims* them
 (side channel) before it reads; a claim names the exact blocks, token count and prompt
-digest, and only one reader can hold a claim. Claims and heartbeats renew the lease (never
+digest, and only one reader engine can hold a claim. Across tensor-parallel sizes several
+ranks of that engine read the same blocks (a claim says how many: ``readers``); each claims
+with its own transport agent, and the hold ends on READ completion only once every one of
+them completed. Claims and heartbeats renew the lease (never
 past ``max_hold`` seconds after the hold began). A hold ends, and its request is reported
 ``finished_sending`` so the scheduler frees the blocks, when:
 
@@ -54,7 +57,10 @@ class Hold:
     started: float
     deadline: float
     reader: str | None = None  # engine id of the claiming reader
-    reader_agent: str | None = None
+    reader_agent: str | None = None  # the last claiming agent
+    readers: int = 1  # agents of that engine expected to read (set by the first claim)
+    agents: set[str] = field(default_factory=set)  # agents that claimed
+    read_by: set[str] = field(default_factory=set)  # agents whose READ completed
     # Readers (identities) this hold counts against: its renewers, then only its claimer.
     charged: dict[str, None] = field(default_factory=dict)  # in order of last renewal
 
@@ -111,9 +117,11 @@ class LeaseTable:
         reader had claimed it."""
         with self._lock:
             hold = self._holds.get(req_id)
-            if hold is None or hold.reader != reader_engine_id or hold.reader_agent != agent:
+            if hold is None or hold.reader != reader_engine_id or agent not in hold.agents:
                 return False
-            self._end(hold, f"read by engine {reader_engine_id}")
+            hold.read_by.add(agent)
+            if len(hold.read_by) >= hold.readers:
+                self._end(hold, f"read by engine {reader_engine_id}")
             return True
 
     def reap(self) -> list[str]:
@@ -176,6 +184,9 @@ class LeaseTable:
                 return Refused(
                     f"claim of {req.request_id!r} refused: engine {hold.reader} is reading it"
                 )
+            why = self._agent_refusal(hold, req)
+            if why is not None:
+                return Refused(f"claim of {req.request_id!r} refused: {why}")
             if not self._charge(hold, who):
                 return Refused(
                     f"claim of {req.request_id!r} refused for now: reader "
@@ -184,7 +195,13 @@ class LeaseTable:
                     retry=True,
                 )
             self._uncharge(hold, [r for r in hold.charged if r != who])
+            if hold.reader is None:
+                hold.readers = req.readers
             hold.reader, hold.reader_agent = req.reader_engine_id, req.reader_agent
+            if hold.readers == 1:
+                hold.agents = {req.reader_agent}  # one reader: its latest agent (a restart)
+            else:
+                hold.agents.add(req.reader_agent)
             return Granted(self.agent_name, self._renew(hold))
 
     def heartbeat(
@@ -240,6 +257,18 @@ class LeaseTable:
         if req_id in self._expected:
             return None, Refused(f"{req_id!r} is still being prefilled", retry=True)
         return None, Refused(f"engine {self.engine_id} holds no blocks for request {req_id!r}")
+
+    @staticmethod
+    def _agent_refusal(hold: Hold, req: ClaimRequest) -> str | None:
+        """Why a claim by one more rank of the reading engine cannot join the hold."""
+        if hold.reader is None:
+            return None
+        if req.readers != hold.readers:
+            return f"it was claimed for {hold.readers} readers, not {req.readers}"
+        joining = hold.readers > 1 and req.reader_agent not in hold.agents
+        if joining and len(hold.agents) >= hold.readers:
+            return f"its {hold.readers} readers claimed it already"
+        return None
 
     @staticmethod
     def _mismatch(hold: Hold, block_ids: list[int]) -> str | None:

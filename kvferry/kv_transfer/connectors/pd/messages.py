@@ -27,7 +27,7 @@ from kvferry.kv_transfer.connectors.pd.params import (
 )
 
 # Bump on any change of the messages or of their meaning.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 8 << 20
 
 Digest = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -74,6 +74,9 @@ class ClaimRequest(msgspec.Struct, tag="claim", frozen=True, forbid_unknown_fiel
     reader_engine_id: EngineId
     reader_agent: AgentName
     proof: ParamsProof | None = None  # the signed params named (with a deployment secret)
+    # How many ranks of the reader engine read this rank's blocks (its TP over ours, or 1):
+    # the hold ends once each of them completed its READ.
+    readers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
 
 
 class HeartbeatRequest(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fields=True):

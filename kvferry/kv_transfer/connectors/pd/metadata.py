@@ -21,14 +21,16 @@ from kvferry.kv_transfer.connectors.pd.params import ParamsProof
 
 
 class RemoteRef(msgspec.Struct, frozen=True):
-    """A request held by a prefill instance, and where that instance's side channel is;
-    ``proof``: the signed params that named it (with a deployment secret)."""
+    """A request held by a prefill instance, and where that instance's side channel is (its
+    rank 0's); ``proof``: the signed params that named it (with a deployment secret);
+    ``tp_size``: the prefill instance's tensor-parallel size."""
 
     engine_id: str
     host: str
     port: int
     request_id: str
     proof: ParamsProof | None = None
+    tp_size: int = 1
 
 
 class RecvSpec(msgspec.Struct, frozen=True):

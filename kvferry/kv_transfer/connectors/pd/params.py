@@ -148,8 +148,8 @@ def parse_remote(params: dict[str, Any], block_size: int, tp_size: int = 1) -> R
     """Type- and range-check the fields a decode request reads with.
 
     ``remote_block_ids`` must hold exactly the blocks of ``remote_num_tokens`` tokens (no
-    duplicates); the prefill instance's ``tp_size`` must be this instance's ``tp_size`` (rank
-    r reads rank r's KV heads)."""
+    duplicates); the prefill instance's ``tp_size`` and this instance's must divide one
+    another (see :mod:`.tp_slices` for who reads which KV heads)."""
     try:
         remote = msgspec.convert(params, RemoteParams, strict=True)
     except msgspec.ValidationError as e:
@@ -163,11 +163,11 @@ def parse_remote(params: dict[str, Any], block_size: int, tp_size: int = 1) -> R
         )
     if len(set(remote.remote_block_ids)) != need:
         raise ParamsError("invalid kv_transfer_params: remote_block_ids has duplicates")
-    if remote.tp_size != tp_size:
+    if remote.tp_size % tp_size and tp_size % remote.tp_size:
         raise ParamsError(
             f"kv_transfer_params has tp_size={remote.tp_size}, but this instance runs "
-            f"tensor_parallel_size={tp_size}; kvferry reads only from prefill instances with "
-            f"the same tensor-parallel size"
+            f"tensor_parallel_size={tp_size}; kvferry reads from a prefill instance only when "
+            f"one of the two tensor-parallel sizes divides the other"
         )
     return remote
 

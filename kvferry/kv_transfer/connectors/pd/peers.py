@@ -8,9 +8,10 @@ is kept per *peer* (:mod:`.peer_table`) and sent within the limits of :mod:`.pee
   compatibility hash), cached per peer. After a failed handshake or an unanswered claim, new
   reads from that peer fail at once for ``handshake_timeout`` instead of each waiting for
   the timeout; another address, even one naming the same engine id, is not affected.
-* Under tensor parallelism rank r of this engine reads rank r of the prefill engine: the
-  params name the prefill engine's rank 0, which answers a handshake for rank r with a
-  :class:`Redirect` to that rank's side channel; every call for that engine then goes there.
+* Under tensor parallelism rank r of this engine reads the prefill ranks :mod:`.tp_slices`
+  names (rank r itself at equal TP): the params name the prefill engine's rank 0, which
+  answers a handshake for rank s with a :class:`Redirect` to that rank's side channel; every
+  call for rank s then goes there. Heartbeats and releases go to every source rank.
 * A claim asks the prefill engine to keep exactly the named blocks for this reader and says
   for how long. Heartbeats are coalesced (one in flight per peer and purpose). A release
   resolves once the peer answered or the release was given up; both it and heartbeats are
@@ -48,6 +49,11 @@ from kvferry.kv_transfer.connectors.pd.options import PDOptions
 from kvferry.kv_transfer.connectors.pd.peer_calls import GivenUp, PeerCalls
 from kvferry.kv_transfer.connectors.pd.peer_table import Addr, Peer, PeerTable, addr_of
 from kvferry.kv_transfer.connectors.pd.sidechannel import PeerUnreachable
+from kvferry.kv_transfer.connectors.pd.tp_slices import (
+    readers_per_source,
+    remote_block_bytes,
+    source_ranks,
+)
 from kvferry.kv_transfer.connectors.pd.transport import KVLayout
 from kvferry.model.parallel import tp_rank, tp_size
 
@@ -78,7 +84,8 @@ class PeerClient:
         self.local = local
         self.opts = opts
         self.rank, self.tp_size = tp_rank(), tp_size()
-        self._routes: dict[Addr, Addr] = {}  # a prefill engine's rank 0 -> our rank there (loop)
+        # (a prefill engine's rank 0, a rank of it) -> that rank's side channel (loop thread)
+        self._routes: dict[tuple[Addr, int], Addr] = {}
         actx = zmq.asyncio.Context.shadow(ctx.underlying)
         self._calls = PeerCalls(actx, codec, opts.handshake_timeout, label)  # loop thread only
         self._peers = PeerTable(opts.max_peer_inflight)  # loop thread only
@@ -91,11 +98,17 @@ class PeerClient:
 
     # -- any thread ------------------------------------------------------------------------
 
-    def prepare(self, spec: RecvSpec) -> concurrent.futures.Future[tuple[AgentInfo, float]]:
-        """Handshake (cached) and claim in the background; the future gives the peer's agent
+    def prepare(
+        self, spec: RecvSpec, source: int | None = None
+    ) -> concurrent.futures.Future[tuple[AgentInfo, float]]:
+        """Handshake (cached) and claim at rank ``source`` of the prefill engine (default:
+        the first rank this rank reads) in the background; the future gives that rank's agent
         info and until when (our monotonic clock) it promised to hold the blocks, or raises
         ReadFailed."""
-        return self._submit(self._prepare(spec), ReadFailed("the engine is shutting down"))
+        if source is None:
+            assert spec.remote is not None
+            source = self.sources(spec.remote)[0]
+        return self._submit(self._prepare(spec, source), ReadFailed("the engine is shutting down"))
 
     def forget(self, addr: Addr) -> None:
         """Handshake afresh next time (after a transport failure)."""
@@ -103,19 +116,25 @@ class PeerClient:
             self._loop.call_soon_threadsafe(self._forget, addr)
 
     def renew(
-        self, addr: Addr, request_ids: list[str], purpose: str
+        self, addr: Addr, request_ids: list[str], purpose: str, rank: int
     ) -> concurrent.futures.Future[Renewed | None]:
-        """Heartbeat ``request_ids`` at ``addr``; the future gives the peer's answer, or None
-        (no answer, refused, or skipped: a heartbeat for ``purpose`` is still in flight)."""
-        return self._submit(self._renew(addr, request_ids, purpose), None)
+        """Heartbeat ``request_ids`` at rank ``rank`` of the engine whose rank 0 is at
+        ``addr``; the future gives the peer's answer, or None (no answer, refused, or skipped:
+        a heartbeat for ``purpose`` is still in flight)."""
+        return self._submit(self._renew(addr, request_ids, purpose, rank), None)
+
+    def sources(self, ref: RemoteRef) -> list[int]:
+        """The ranks of ``ref``'s prefill engine that this rank reads from."""
+        return source_ranks(self.rank, self.tp_size, ref.tp_size)
 
     def heartbeat(self, refs: list[RemoteRef]) -> None:
         """Renew the holds of requests waiting for admission (fire and forget)."""
-        groups: dict[Addr, list[str]] = {}
+        groups: dict[tuple[Addr, int], list[str]] = {}
         for ref in refs:
-            groups.setdefault(addr_of(ref), []).append(ref.request_id)
-        for addr, ids in groups.items():
-            self.renew(addr, ids, "waiting")
+            for rank in self.sources(ref):
+                groups.setdefault((addr_of(ref), rank), []).append(ref.request_id)
+        for (addr, rank), ids in groups.items():
+            self.renew(addr, ids, "waiting", rank)
 
     def release(
         self, ref: RemoteRef, block_ids: list[int]
@@ -123,7 +142,8 @@ class PeerClient:
         """Give back what the peer holds for ``ref``. The future resolves once the peer
         answered (None: released, or already gone) or the release was given up (why)."""
         req = ReleaseRequest(ref.engine_id, ref.request_id, block_ids, self.engine_id, ref.proof)
-        return self._submit(self._release(addr_of(ref), req), "the engine is shutting down")
+        coro = self._release_all(addr_of(ref), req, self.sources(ref))
+        return self._submit(coro, "the engine is shutting down")
 
     def shutdown(self) -> None:
         """Wait up to handshake_timeout for the calls in flight, cancel the rest, stop."""
@@ -170,41 +190,38 @@ class PeerClient:
         await asyncio.gather(*pending, return_exceptions=True)
 
     def _forget(self, addr: Addr) -> None:
-        routed = self._routes.pop(addr, None)
         self._peers.forget(addr)
-        if routed is not None:
-            self._peers.forget(routed)
+        for key in [k for k in self._routes if k[0] == addr or self._routes[k] == addr]:
+            self._peers.forget(self._routes.pop(key))
 
-    async def _route(self, addr: Addr) -> Addr:
-        """Where our rank's calls for the prefill engine whose rank 0 is at ``addr`` go."""
-        if self.rank == 0:
+    async def _route(self, addr: Addr, rank: int) -> Addr:
+        """Where calls for rank ``rank`` of the prefill engine whose rank 0 is at ``addr`` go."""
+        if rank == 0:
             return addr
-        routed = self._routes.get(addr)
+        routed = self._routes.get((addr, rank))
         if routed is not None:
             return routed
         host, port, engine_id = addr
         peer = self._peers.at(addr)
         try:
-            reply = await self._calls.call(peer, HandshakeRequest(engine_id, self.rank))
+            reply = await self._calls.call(peer, HandshakeRequest(engine_id, rank))
         except Exception as e:
-            failure = f"handshake with {host}:{port} for rank {self.rank} failed: {e}"
+            failure = f"handshake with {host}:{port} for rank {rank} failed: {e}"
             peer.failed(failure)
             raise ReadFailed(failure) from None
-        if not isinstance(reply, Redirect) or reply.rank != self.rank:
+        if not isinstance(reply, Redirect) or reply.rank != rank:
             why = reply.reason if isinstance(reply, Refused) else type(reply).__name__
-            raise ReadFailed(
-                f"engine {engine_id} at {host}:{port} has no rank {self.rank} for us: {why}"
-            )
+            raise ReadFailed(f"engine {engine_id} at {host}:{port} has no rank {rank}: {why}")
         routed = (reply.host, reply.port, engine_id)
-        self._routes[addr] = routed
+        self._routes[(addr, rank)] = routed
         return routed
 
-    async def _prepare(self, spec: RecvSpec) -> tuple[AgentInfo, float]:
+    async def _prepare(self, spec: RecvSpec, source: int) -> tuple[AgentInfo, float]:
         remote = spec.remote
         assert remote is not None
-        peer = self._peers.at(await self._route(addr_of(remote)))
+        peer = self._peers.at(await self._route(addr_of(remote), source))
         for attempt in range(2):
-            info = await self._agent_info(peer, refresh=attempt > 0)
+            info = await self._agent_info(peer, source, remote.tp_size, refresh=attempt > 0)
             if max(spec.remote_block_ids) >= info.num_blocks:
                 raise ReadFailed(
                     f"remote_block_ids name block {max(spec.remote_block_ids)} but engine "
@@ -212,7 +229,7 @@ class PeerClient:
                 )
             sent = time.monotonic()
             try:
-                granted = await self._claim(peer, spec)
+                granted = await self._claim(peer, spec, remote.tp_size)
             except (PeerUnreachable, GivenUp) as e:
                 peer.failed(f"claim failed: {e}")
                 raise ReadFailed(f"claim failed: {e}") from None
@@ -222,7 +239,9 @@ class PeerClient:
             f"engine {remote.engine_id} changed its {self.label} agent during the claim"
         )
 
-    async def _agent_info(self, peer: Peer, refresh: bool) -> AgentInfo:
+    async def _agent_info(
+        self, peer: Peer, source: int, remote_tp: int, refresh: bool
+    ) -> AgentInfo:
         async with peer.handshake:
             # Reads queued behind a failed handshake or an unanswered claim fail at once
             # instead of each waiting for the timeout.
@@ -232,8 +251,8 @@ class PeerClient:
                 return peer.info
             host, port, engine_id = peer.addr
             try:
-                reply = await self._calls.call(peer, HandshakeRequest(engine_id, self.rank))
-                info = self._check_info(reply, engine_id)
+                reply = await self._calls.call(peer, HandshakeRequest(engine_id, source))
+                info = self._check_info(reply, engine_id, source, remote_tp)
             except Exception as e:
                 failure = f"handshake with {host}:{port} failed: {e}"
                 peer.failed(failure)
@@ -241,7 +260,9 @@ class PeerClient:
             peer.info = info
             return info
 
-    def _check_info(self, reply: PeerReply, engine_id: str) -> AgentInfo:
+    def _check_info(
+        self, reply: PeerReply, engine_id: str, source: int, remote_tp: int
+    ) -> AgentInfo:
         if isinstance(reply, Refused):
             raise ProtocolError(f"refused: {reply.reason}")
         if not isinstance(reply, AgentInfo):
@@ -252,7 +273,9 @@ class PeerClient:
                 f"engine {engine_id!r}"
             )
         local = self.local
-        expected = (local.block_size, local.num_layers, local.block_bytes, self.tp_size, self.rank)
+        # Rank ``source`` of a prefill engine of ``remote_tp`` ranks: H / remote_tp KV heads.
+        block_bytes = remote_block_bytes(local.block_bytes, self.tp_size, remote_tp)
+        expected = (local.block_size, local.num_layers, block_bytes, remote_tp, source)
         got = (
             reply.block_size,
             len(reply.base_addrs),
@@ -267,7 +290,7 @@ class PeerClient:
             )
         return reply
 
-    async def _claim(self, peer: Peer, spec: RecvSpec) -> Granted:
+    async def _claim(self, peer: Peer, spec: RecvSpec, remote_tp: int) -> Granted:
         remote = spec.remote
         assert remote is not None
         req = ClaimRequest(
@@ -279,6 +302,7 @@ class PeerClient:
             self.engine_id,
             self.agent_name,
             remote.proof,
+            readers_per_source(self.tp_size, remote_tp),
         )
         deadline = time.monotonic() + self.opts.handshake_timeout
         while True:
@@ -292,9 +316,11 @@ class PeerClient:
             reason = reply.reason if isinstance(reply, Refused) else type(reply).__name__
             raise ReadFailed(f"engine {remote.engine_id} refused the read: {reason}")
 
-    async def _renew(self, addr: Addr, request_ids: list[str], purpose: str) -> Renewed | None:
+    async def _renew(
+        self, addr: Addr, request_ids: list[str], purpose: str, rank: int
+    ) -> Renewed | None:
         try:
-            addr = await self._route(addr)
+            addr = await self._route(addr, rank)
         except ReadFailed as e:
             logger.info("%s: heartbeat to %s:%d failed: %s", self.label, addr[0], addr[1], e)
             return None
@@ -316,9 +342,14 @@ class PeerClient:
             logger.info("%s: heartbeat refused by %s: %s", self.label, peer.label, reply.reason)
         return reply if isinstance(reply, Renewed) else None
 
-    async def _release(self, addr: Addr, req: ReleaseRequest) -> str | None:
+    async def _release_all(self, addr: Addr, req: ReleaseRequest, ranks: list[int]) -> str | None:
+        """Release at every source rank; the first failure, if any."""
+        answers = await asyncio.gather(*(self._release(addr, req, r) for r in ranks))
+        return next((a for a in answers if a is not None), None)
+
+    async def _release(self, addr: Addr, req: ReleaseRequest, rank: int) -> str | None:
         try:
-            addr = await self._route(addr)
+            addr = await self._route(addr, rank)
         except ReadFailed as e:
             return str(e)
         peer = self._peers.at(addr)

@@ -43,6 +43,7 @@ from kvferry.kv_transfer.connectors.pd.handshake import (
 from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef
 from kvferry.kv_transfer.connectors.pd.options import PDOptions
 from kvferry.kv_transfer.connectors.pd.peers import Addr, PeerClient, addr_of
+from kvferry.kv_transfer.connectors.pd.tp_slices import head_slice, pieces
 from kvferry.kv_transfer.connectors.pd.transport import (
     DONE,
     PROC,
@@ -53,17 +54,32 @@ from kvferry.kv_transfer.connectors.pd.transport import (
 
 logger = logging.getLogger(__name__)
 
+Key = tuple[Addr, int]  # a prefill engine (its rank 0's address) and one of its ranks
+
 
 @dataclass
-class _Read:
-    spec: RecvSpec
+class _Leg:
+    """The part of a read from one prefill rank (several across TP sizes, see
+    :mod:`.tp_slices`)."""
+
+    source: int  # the prefill rank read
     prep: Future[tuple[AgentInfo, float]]
     handle: Any = None
     peer: RemotePeer | None = None
     posted: float = 0.0
-    # The prefill side holds the blocks at least until then (our clock); guarded by _lock.
+    done: bool = False  # READ complete (and trusted)
+    # The prefill rank holds the blocks at least until then (our clock); guarded by _lock.
     held_until: float = 0.0
     freed_after_read: bool = False
+
+
+@dataclass
+class _Read:
+    spec: RecvSpec
+    legs: list[_Leg]
+
+    def handles(self) -> list[Any]:
+        return [leg.handle for leg in self.legs if leg.handle is not None]
 
 
 class Reader:
@@ -89,13 +105,14 @@ class Reader:
         self.peers = PeerClient(ctx, codec, engine_id, transport.name, local, opts, label)
         self._reads: dict[str, _Read] = {}
         self._agents: dict[str, tuple[RemotePeer, AgentInfo]] = {}  # agent name -> loaded
-        self._addr_agent: dict[Addr, str] = {}  # prefill address -> the agent it announced
+        self._addr_agent: dict[Key, str] = {}  # prefill address and rank -> its agent
         self._retired: list[RemotePeer] = []
         self._stuck: list[Any] = []  # handles the transport would not release yet
-        self._draining: dict[str, tuple[_Read, str, float]] = {}  # failed, READ not cancelled
+        # Failed reads whose READs could not be cancelled yet: (read, why, deadline, handles).
+        self._draining: dict[str, tuple[_Read, str, float, list[Any]]] = {}
         self._done: set[str] = set()
         self._failed: set[str] = set()
-        self._lock = threading.Lock()  # _reads membership and the held_until fields
+        self._lock = threading.Lock()  # _reads membership and the legs' held_until fields
         self._stop = threading.Event()
         self._beater = threading.Thread(
             target=self._beat, name=f"{label.lower()}-heartbeat", daemon=True
@@ -108,43 +125,57 @@ class Reader:
         if spec.error is not None or spec.remote is None:
             self._fail_now(spec.req_id, spec.error or "no remote named")
             return
-        rd = _Read(spec, self.peers.prepare(spec))
+        legs = [_Leg(s, self.peers.prepare(spec, s)) for s in self.peers.sources(spec.remote)]
         with self._lock:
-            self._reads[spec.req_id] = rd
+            self._reads[spec.req_id] = _Read(spec, legs)
 
     def poll(self) -> None:
         now = time.monotonic()
         for req_id, rd in list(self._reads.items()):
-            if rd.handle is None:
-                if not rd.prep.done():
-                    continue
-                if (exc := rd.prep.exception()) is not None:
-                    self._finish(req_id, rd, str(exc))
-                    continue
-            try:
-                if rd.handle is None:
-                    info, held_until = rd.prep.result()
-                    with self._lock:
-                        rd.held_until = max(rd.held_until, held_until)
-                    self._post(rd, info)
-                state = self.transport.state(rd.handle)
-            except Exception as e:
-                why = f"{self.label} transfer error (is the prefill instance gone?): {e!r}"
-                self._finish(req_id, rd, why, transport_error=True)
-                continue
-            if state == DONE:
-                self._finish(req_id, rd, self._untrusted(rd, time.monotonic()))
-            elif state != PROC:
-                why = f"{self.label} reports the READ failed"
-                self._finish(req_id, rd, why, transport_error=True)
-            elif now - rd.posted > self.opts.transfer_timeout:
-                self._finish(req_id, rd, f"READ still running after {self.opts.transfer_timeout}s")
+            error, transport_error = None, False
+            for leg in rd.legs:
+                error, transport_error = self._advance(rd, leg, now)
+                if error is not None:
+                    break
+            if error is not None:
+                # One failed part fails the whole request (kv_load_failure_policy applies).
+                self._finish(req_id, rd, error, transport_error)
+            elif all(leg.done for leg in rd.legs):
+                self._finish(req_id, rd, None)
         self._drain(now)
         self._drop_retired()
 
-    def _untrusted(self, rd: _Read, now: float) -> str | None:
+    def _advance(self, rd: _Read, leg: _Leg, now: float) -> tuple[str | None, bool]:
+        """Move one leg on; (why it failed, whether the transport failed) or (None, False)."""
+        if leg.done:
+            return None, False
+        if leg.handle is None:
+            if not leg.prep.done():
+                return None, False
+            if (exc := leg.prep.exception()) is not None:
+                return str(exc), False
+        try:
+            if leg.handle is None:
+                info, held_until = leg.prep.result()
+                with self._lock:
+                    leg.held_until = max(leg.held_until, held_until)
+                self._post(rd, leg, info)
+            state = self.transport.state(leg.handle)
+        except Exception as e:
+            return f"{self.label} transfer error (is the prefill instance gone?): {e!r}", True
+        if state == DONE:
+            untrusted = self._untrusted(leg, time.monotonic())
+            leg.done = untrusted is None
+            return untrusted, False
+        if state != PROC:
+            return f"{self.label} reports the READ failed", True
+        if now - leg.posted > self.opts.transfer_timeout:
+            return f"READ still running after {self.opts.transfer_timeout}s", False
+        return None, False
+
+    def _untrusted(self, leg: _Leg, now: float) -> str | None:
         with self._lock:
-            if rd.freed_after_read or now < rd.held_until:
+            if leg.freed_after_read or now < leg.held_until:
                 return None
         return (
             "the READ completed after the prefill side's last confirmed hold on the blocks "
@@ -176,7 +207,8 @@ class Reader:
         calls in flight (each bounded by handshake_timeout), unload the peers."""
         self._stop.set()
         for rd in self._reads.values():
-            rd.prep.cancel()
+            for leg in rd.legs:
+                leg.prep.cancel()
         for req_id, rd in list(self._reads.items()):
             self._finish(req_id, rd, "engine shut down")
         self.peers.shutdown()
@@ -187,16 +219,22 @@ class Reader:
         self._addr_agent.clear()
         self._retired.clear()
 
-    def _post(self, rd: _Read, info: AgentInfo) -> None:
+    def _post(self, rd: _Read, leg: _Leg, info: AgentInfo) -> None:
         spec, remote = rd.spec, rd.spec.remote
         assert remote is not None
-        rd.peer = peer = self._load(addr_of(remote), info)
+        leg.peer = peer = self._load((addr_of(remote), leg.source), info)
         notif = self.codec.encode_notif(
             ReadDone(remote.engine_id, remote.request_id, self.engine_id)
         )
-        rd.posted = time.monotonic()
+        leg.posted = time.monotonic()
         remote_ids = spec.remote_block_ids[spec.first_block :]
-        rd.handle, _ = self.transport.read(peer, spec.local_block_ids, remote_ids, notif)
+        rank, tp = self.peers.rank, self.peers.tp_size
+        if remote.tp_size == tp:
+            leg.handle, _ = self.transport.read(peer, spec.local_block_ids, remote_ids, notif)
+            return
+        sl = head_slice(rank, tp, leg.source, remote.tp_size, self.local, peer.layout)
+        local, far, n = pieces(self.local, peer.layout, spec.local_block_ids, remote_ids, sl)
+        leg.handle, _ = self.transport.read_pieces(peer, local, far, n, notif)
 
     def _finish(
         self, req_id: str, rd: _Read, error: str | None, transport_error: bool = False
@@ -207,28 +245,31 @@ class Reader:
         assert remote is not None
         if transport_error:
             self._forget(addr_of(remote))
-        if rd.handle is not None and not self.transport.release(rd.handle):
+        stuck = [h for h in rd.handles() if not self.transport.release(h)]
+        if stuck:
             if error is not None:
-                # The transport could not cancel the READ, which may still write into the request's
-                # blocks: report it (and so let the blocks go) only once the handle is
-                # released, or after another transfer_timeout at the latest.
+                # The transport could not cancel a READ, which may still write into the
+                # request's blocks: report it (and so let the blocks go) only once the handles
+                # are released, or after another transfer_timeout at the latest.
                 deadline = time.monotonic() + self.opts.transfer_timeout
-                self._draining[req_id] = (rd, error, deadline)
+                self._draining[req_id] = (rd, error, deadline, stuck)
                 return
-            self._stuck.append(rd.handle)
+            self._stuck.extend(stuck)
         self._report(req_id, rd, error, released=True)
 
     def _drain(self, now: float) -> None:
-        for req_id, (rd, error, deadline) in list(self._draining.items()):
-            released = self.transport.release(rd.handle)
-            if released or now >= deadline:
+        for req_id, (rd, error, deadline, handles) in list(self._draining.items()):
+            stuck = [h for h in handles if not self.transport.release(h)]
+            if not stuck or now >= deadline:
                 del self._draining[req_id]
-                if not released:
+                if stuck:
                     logger.error(
                         "%s: READ of %s cannot be cancelled; freeing anyway", self.label, req_id
                     )
-                    self._stuck.append(rd.handle)
-                self._report(req_id, rd, error, released=released)
+                    self._stuck.extend(stuck)
+                self._report(req_id, rd, error, released=not stuck)
+            else:
+                self._draining[req_id] = (rd, error, deadline, stuck)
         self._stuck = [h for h in self._stuck if not self.transport.release(h)]
 
     def _report(self, req_id: str, rd: _Read, error: str | None, released: bool) -> None:
@@ -239,7 +280,7 @@ class Reader:
             nbytes = 2 * len(rd.spec.local_block_ids) * self.local.block_bytes
             self.stats["reads"] += 1
             self.stats["read_bytes"] += nbytes * self.local.num_layers
-            self.stats["read_seconds"] += time.monotonic() - rd.posted
+            self.stats["read_seconds"] += time.monotonic() - min(g.posted for g in rd.legs)
             return
         self._failed.add(req_id)
         self.stats["failed_reads"] += 1
@@ -253,7 +294,9 @@ class Reader:
             remote.port,
             error,
         )
-        prep_ok = rd.prep.done() and not rd.prep.cancelled() and rd.prep.exception() is None
+        prep_ok = any(
+            g.prep.done() and not g.prep.cancelled() and g.prep.exception() is None for g in rd.legs
+        )
         if prep_ok and released:
             # Claimed but not read: give the blocks back now instead of at lease expiry.
             self.release(remote, rd.spec.remote_block_ids)
@@ -264,8 +307,9 @@ class Reader:
         self._done.add(req_id)
         self._failed.add(req_id)
 
-    def _load(self, addr: Addr, info: AgentInfo) -> RemotePeer:
-        """The transport peer of the agent ``info`` announces at ``addr``, loaded once per agent."""
+    def _load(self, key: Key, info: AgentInfo) -> RemotePeer:
+        """The transport peer of the agent ``info`` announces for ``key`` (the prefill engine's
+        address and rank), loaded once per agent."""
         name = info.agent_name
         loaded = self._agents.get(name)
         if loaded is not None and loaded[1] != info:
@@ -274,8 +318,8 @@ class Reader:
             )
         if loaded is None:
             loaded = self._agents[name] = (self.transport.add_peer(info), info)
-        old = self._addr_agent.get(addr)
-        self._addr_agent[addr] = name
+        old = self._addr_agent.get(key)
+        self._addr_agent[key] = name
         if old is not None and old != name:
             self._retire_unused(old)  # that prefill instance restarted
         return loaded[0]
@@ -285,20 +329,19 @@ class Reader:
             self._retired.append(self._agents.pop(name)[0])
 
     def _forget(self, addr: Addr) -> None:
-        """After a transport failure: handshake afresh next time, unload the agent when idle."""
+        """After a transport failure: handshake afresh next time, unload the agents when idle."""
         self.peers.forget(addr)
-        name = self._addr_agent.get(addr)
-        if name is None:
-            return
-        # The agent itself failed: every address announcing it handshakes afresh.
-        for other in [a for a, n in self._addr_agent.items() if n == name]:
-            del self._addr_agent[other]
-            self.peers.forget(other)
-        self._retire_unused(name)
+        names = {n for k, n in self._addr_agent.items() if k[0] == addr}
+        # The agents themselves failed: every address announcing them handshakes afresh.
+        for key in [k for k, n in self._addr_agent.items() if n in names]:
+            del self._addr_agent[key]
+            self.peers.forget(key[0])
+        for name in names:
+            self._retire_unused(name)
 
     def _drop_retired(self) -> None:
         reads = [*self._reads.values(), *(d[0] for d in self._draining.values())]
-        in_use = {id(r.peer) for r in reads if r.handle is not None}
+        in_use = {id(g.peer) for r in reads for g in r.legs if g.handle is not None}
         keep = []
         for peer in self._retired:
             if id(peer) in in_use:
@@ -313,20 +356,21 @@ class Reader:
         """Heartbeat the reads in flight, and record how long each is confirmed held."""
         period = self.opts.heartbeat_s
         while not self._stop.wait(period):
-            groups: dict[Addr, dict[str, _Read]] = {}
+            groups: dict[Key, dict[str, _Leg]] = {}
             with self._lock:
                 for rd in self._reads.values():
                     ref = rd.spec.remote
-                    if ref is not None and rd.prep.done():
-                        groups.setdefault(addr_of(ref), {})[ref.request_id] = rd
-            for addr, reads in groups.items():
+                    if ref is None:
+                        continue
+                    for leg in rd.legs:
+                        if leg.prep.done() and not leg.done:
+                            groups.setdefault((addr_of(ref), leg.source), {})[ref.request_id] = leg
+            for (addr, source), legs in groups.items():
                 sent = time.monotonic()
-                answer = self.peers.renew(addr, list(reads), "reads")
-                answer.add_done_callback(functools.partial(self._renewed, reads, sent))
+                answer = self.peers.renew(addr, list(legs), "reads", source)
+                answer.add_done_callback(functools.partial(self._renewed, legs, sent))
 
-    def _renewed(
-        self, reads: dict[str, _Read], sent: float, answer: Future[Renewed | None]
-    ) -> None:
+    def _renewed(self, reads: dict[str, _Leg], sent: float, answer: Future[Renewed | None]) -> None:
         if answer.cancelled() or answer.exception() is not None:
             return
         reply = answer.result()
@@ -335,8 +379,8 @@ class Reader:
         with self._lock:
             for req_id, left in reply.held.items():
                 if req_id in reads:
-                    rd = reads[req_id]
-                    rd.held_until = max(rd.held_until, sent + left)
+                    leg = reads[req_id]
+                    leg.held_until = max(leg.held_until, sent + left)
             for req_id in reply.read:
                 if req_id in reads:
                     reads[req_id].freed_after_read = True

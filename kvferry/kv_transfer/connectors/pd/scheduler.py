@@ -71,6 +71,7 @@ def _ref(remote: RemoteParams) -> RemoteRef:
         remote.remote_port,
         remote.remote_request_id,
         remote.proof(),
+        remote.tp_size,
     )
 
 

@@ -147,6 +147,19 @@ class KVTransport(Protocol):
         V), with ``notif`` delivered to the peer after the data; returns (handle, state)."""
         ...
 
+    def read_pieces(
+        self,
+        peer: Any,
+        local_addrs: np.ndarray,
+        remote_addrs: np.ndarray,
+        length: int,
+        notif: bytes,
+    ) -> tuple[Any, str]:
+        """Post a READ of ``length`` bytes at each of ``remote_addrs`` (inside the peer's pool)
+        to the matching ``local_addrs`` (inside ours), with ``notif`` as in :meth:`read`; used
+        across tensor-parallel sizes (:mod:`.tp_slices`)."""
+        ...
+
     def state(self, handle: Any) -> str:
         """:data:`PROC`, :data:`DONE`, or anything else for failed; may raise."""
         ...

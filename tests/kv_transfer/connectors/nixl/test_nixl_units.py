@@ -69,7 +69,7 @@ def test_request_side():
         ({"remote_engine_id": ""}, "length >= 1"),
         ({"remote_host": "h; rm -rf /"}, "matching regex"),
         ({"remote_num_tokens": 0}, ">= 1"),
-        ({"tp_size": 2}, "this instance runs tensor_parallel_size=1"),
+        ({"tp_size": 0}, ">= 1"),
         ({"remote_request_id": None}, "got `null`"),
     ],
 )
@@ -291,7 +291,7 @@ def _reader(transport: FakeTransport, held_s: float = 60.0, **opts: Any) -> Any:
     from kvferry.kv_transfer.connectors.nixl.agent import KVLayout
     from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
     from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef
-    from kvferry.kv_transfer.connectors.pd.reader import Reader, _Read
+    from kvferry.kv_transfer.connectors.pd.reader import Reader, _Leg, _Read
 
     layout = KVLayout(32, 512, 16, "DRAM", 0, (4096,))
     options = NixlOptions(handshake_timeout=0.1, **opts)
@@ -301,7 +301,7 @@ def _reader(transport: FakeTransport, held_s: float = 60.0, **opts: Any) -> Any:
     prep: Future[Any] = Future()
     prep.set_result((info, time.monotonic() + held_s))
     spec = RecvSpec("r", RemoteRef("P", "127.0.0.1", 1, "p"), [1, 2], [3, 4], 20, "d")
-    reader._reads["r"] = _Read(spec, prep)
+    reader._reads["r"] = _Read(spec, [_Leg(0, prep)])
     return reader
 
 
