@@ -44,8 +44,6 @@ DIRECTIONS = ("finished_sending", "finished_recving")
 NOT_ON_TP = {
     "LMCacheMPConnector": "the LMCacheMPConnector registers with its LMCache server as the "
     "only worker (tp_size 1); it is not adapted to tensor parallelism",
-    "MooncakeStoreConnector": "the MooncakeStoreConnector is not yet adapted to tensor "
-    "parallelism (docs: tensor parallelism, KV connectors under TP)",
 }
 
 

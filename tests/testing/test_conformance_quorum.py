@@ -69,10 +69,10 @@ def test_a_rank_that_never_reports_fails_the_quorum(
 
 def test_unadapted_connectors_are_not_exercised(harness: Harness) -> None:
     kv = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
-        {"kv_connector": "MooncakeStoreConnector", "kv_connector_extra_config": {}}]}}  # fmt: skip
+        {"kv_connector": "LMCacheMPConnector", "kv_connector_extra_config": {}}]}}  # fmt: skip
     (result,) = run_conformance(kv, scenarios=SCENARIO, harness=harness).results
     assert result.status == NOT_EXERCISED
-    assert "not yet adapted to tensor parallelism" in result.reasons[0]
+    assert "not adapted to tensor parallelism" in result.reasons[0]
 
 
 def test_the_trace_is_told_apart_per_rank(harness: Harness, tmp_path: Path) -> None:
