@@ -22,11 +22,11 @@ from kvferry.kv_transfer.connectors.mooncake_store.layout import resolve_layout
 from kvferry.kv_transfer.connectors.mooncake_store.options import MooncakeStoreOptions
 from kvferry.kv_transfer.connectors.mooncake_store.scheduler import MooncakeStoreScheduler
 from kvferry.kv_transfer.connectors.mooncake_store.worker import MooncakeStoreWorker
-from kvferry.model.parallel import tp_rank
 from kvferry.kv_transfer.connectors.split import SplitConnector
 from kvferry.kv_transfer.options import parse_options
 from kvferry.kv_transfer.stores.mooncake_client import mooncake_available
 from kvferry.kv_transfer.stores.mooncake_config import load_mooncake_config
+from kvferry.model.parallel import tp_rank
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
