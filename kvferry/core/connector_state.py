@@ -300,18 +300,20 @@ class ConnectorState:
         self, kv_out: KVConnectorOutput | None, requests: Mapping[str, Request]
     ) -> list[str]:
         """Hand the step's connector output (None: the workers sent none) to the connector,
-        collect stats, then apply the completions. (The workers' KV cache events reach the
+        then collect stats, then apply the completions. (The workers' KV cache events reach the
         connector with the output; the scheduler drains ``take_events()`` after this.)
 
         A finished load of a waiting request is remembered (promoted at the next schedule);
         one of a finished request releases its orphaned blocks. Returns the finished requests
         whose blocks are released now: the caller frees them and forgets the requests.
         """
+        if kv_out is not None and self.connector is not None:
+            self.connector.update_connector_output(kv_out)
+        # After the update: what it counted (e.g. stores the output reports done) belongs to
+        # this step's stats, as the engine may take no further step.
         self._collect_stats(kv_out)
         if kv_out is None:
             return []
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_out)
         release: list[str] = []
         for req_id in sorted(kv_out.finished_recving or ()):
             request = requests.get(req_id)

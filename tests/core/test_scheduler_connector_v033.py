@@ -199,3 +199,32 @@ def test_requires_kv_delivery_follows_the_producer_role() -> None:
     assert not consumer.requires_kv_delivery
     assert not create_scheduler(connector=consumer).requires_kv_delivery
     assert isinstance(conn, KVConnectorBase)
+
+
+class _CountsOnUpdate(ScriptedConnector):
+    """Counts, in ``update_connector_output``, what the step's output reports (as a store
+    connector counts the stores its workers finished)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted = 0
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        self.counted += 1
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        counted, self.counted = self.counted, 0
+        return KVConnectorStats(data={"counted": counted}) if counted else None
+
+
+def test_what_the_output_update_counts_is_in_the_same_steps_stats() -> None:
+    # The last step of a run may be the one whose output reports the work done: its count
+    # must not wait for a further step, which an idle engine never takes.
+    conn = _CountsOnUpdate()
+    s = create_scheduler(connector=conn)
+    worker = FakeWorker(s)
+    step(s, worker, kv_output=KVConnectorOutput())
+    stats = s.take_kv_connector_stats()
+    assert stats is not None and stats.data == {"counted": 1}
+    assert_no_leaks(s)
