@@ -8,23 +8,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import openai
 import pytest
 
-from kvferry import LLM, SamplingParams
+from kvferry import LLM
 from tests.helpers.pd_auth import SECRET
+from tests.helpers.pd_requests import check_pd_request, prompt_ids
 from tests.helpers.servers import (
-    metric,
     ready,
     start_proxy,
     start_server,
     stop,
-    wait_for,
     wait_listening,
 )
 
 LONG = ["--max-model-len", "1024", "--max-num-batched-tokens", "512", "--tensor-parallel-size", "2"]
-EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 
 def _nixl(port: int, secret: Path | None) -> dict:
@@ -76,34 +73,6 @@ def offline(tiny_model_factory):
     llm.shutdown()
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return [5 + (seed * 7919 + i * 104729) % 500 for i in range(n)]
-
-
 @pytest.mark.parametrize(("length", "stream"), [(7, False), (64, True), (700, False)])
 def test_tp2_pd_is_token_identical_and_frees_prefill_blocks(pd, offline, length, stream) -> None:
-    prompt = _ids(length, length)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    want = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-    client = openai.OpenAI(base_url=pd["proxy"].url + "/v1", api_key="x", max_retries=0)
-    kw = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0}
-    if stream:
-        got = [
-            t
-            for ev in client.completions.create(stream=True, extra_body=EXTRA, **kw)
-            for t in ev.choices[0].token_ids
-        ]
-    else:
-        got = client.completions.create(extra_body=EXTRA, **kw).choices[0].token_ids
-    assert got == want[0].outputs[0].token_ids
-    p_url, d_url = pd["prefill"].url, pd["decode"].url
-    if length > 16:  # a prompt shorter than one block has no full block to move
-        assert metric(d_url, "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}") > 0
-    wait_for(
-        lambda: (
-            metric(p_url, "kvferry_num_requests_held_by_connector") == 0
-            and metric(p_url, "vllm:kv_cache_usage_perc") == 0
-        ),
-        timeout=30,
-        what="the prefill instance's blocks to return to its free pool",
-    )
+    check_pd_request(pd, offline, prompt_ids(length, length), stream)
