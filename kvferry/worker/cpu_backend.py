@@ -10,11 +10,13 @@ owns, and the greedy argmax in the runner's sampler.
 
 Which path serves what (all on CPU):
 
-* fp32: each linear layer gets a oneDNN-packed copy of its weight for small steps (decode);
-  where torch has no oneDNN the weight becomes input-major instead. Fused norm, rotary and
+* fp32: each linear layer gets a oneDNN-packed copy of its weight. On an AVX-512 CPU it serves
+  every step (oneDNN's AVX-512 GEMMs run at over twice MKL's rate there, prefill included);
+  elsewhere it serves small steps (decode) and MKL the rest. Where torch has no oneDNN the
+  weight becomes input-major instead. Fused norm, rotary and
   SiLU-and-mul kernels serve the elementwise steps.
 * bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
-  weight for small steps and torch's bf16 product (oneDNN too) on the dense weight above.
+  weight, for every step.
 * bf16 without them (e.g. AVX2 only, or ``KVFERRY_CPU_ISA=avx2``): steps of at most
   :data:`BF16_KERNEL_MAX_ROWS` rows, the logits included, run the C kernel that reads the bf16
   weights as they are and widens them in registers (the variant of the CPU's level); larger
@@ -54,8 +56,9 @@ from kvferry.worker.malloc_tuning import tune_malloc
 
 logger = init_logger(__name__)
 
-# Up to this many rows a oneDNN-packed weight beats MKL on a dense one: the GEMM streams the
-# weight from memory, and the blocked layout streams faster. Larger steps are compute-bound.
+# Without AVX-512, up to this many rows a oneDNN-packed weight beats MKL on a dense one: the
+# GEMM streams the weight from memory, and the blocked layout streams faster. Larger steps are
+# compute-bound, and there MKL's AVX2 kernels match oneDNN's.
 PACKED_MAX_ROWS = 128
 # Below this many rows the half-precision GEMV is memory-bound and beats converting the weight.
 _UPCAST_MIN_ROWS = 6
@@ -108,20 +111,27 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def packed_max_rows(features: CPUFeatures) -> int | None:
+    """Up to how many rows a step uses the oneDNN-packed weight (None: every step). With
+    AVX-512, oneDNN's GEMMs beat MKL's at every size (MKL picks AVX2 kernels on AMD CPUs);
+    without it, only where the step streams the weight from memory."""
+    return None if features.isa == "avx512" else PACKED_MAX_ROWS
+
+
 def cpu_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
     emulated: bool | None = None,
+    max_rows: int | None = PACKED_MAX_ROWS,
 ) -> torch.Tensor:
     """``F.linear`` with two CPU fast paths.
 
     ``packed`` (from :func:`pack_weight`, fp32 or bf16): used for 2-D inputs of at most
-    :data:`PACKED_MAX_ROWS` rows, where the GEMM streams the weight from memory and oneDNN's
-    blocked layout streams it faster than a plain matrix. A bf16 input meets a bf16 packed
-    weight as it is; otherwise the input is computed in fp32 and rounded back, as the path
-    below does.
+    ``max_rows`` rows (None: any; see :func:`packed_max_rows`). A bf16 input meets a bf16
+    packed weight as it is; otherwise the input is computed in fp32 and rounded back, as the
+    path below does.
 
     Half precision on a CPU without bf16/fp16 matrix instructions (e.g. AVX2 only): torch
     emulates those GEMMs, far slower than fp32, so the weight is widened to fp32 for the call
@@ -129,7 +139,7 @@ def cpu_linear(
     result only differs by summation order. ``emulated`` says whether this CPU is such a one
     (default: :func:`emulated_half_matmul`). Elsewhere this is F.linear.
     """
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+    if packed is not None and x.dim() == 2 and (max_rows is None or x.shape[0] <= max_rows):
         if packed.dtype == x.dtype:
             same: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), packed, bias, "none", [], ""
@@ -149,17 +159,24 @@ def cpu_linear(
 
 
 class CPULinear:
-    """A ``Linear.kernel``: :func:`cpu_linear` with the layer's packed weight, if any, and the
-    backend's answer to whether half-precision products are emulated (None: this CPU's)."""
+    """A ``Linear.kernel``: :func:`cpu_linear` with the layer's packed weight, if any, the
+    steps it serves, and the backend's answer to whether half-precision products are emulated
+    (None: this CPU's)."""
 
-    def __init__(self, packed: torch.Tensor | None, emulated: bool | None = None) -> None:
+    def __init__(
+        self,
+        packed: torch.Tensor | None,
+        emulated: bool | None = None,
+        max_rows: int | None = PACKED_MAX_ROWS,
+    ) -> None:
         self.packed = packed
         self.emulated = emulated
+        self.max_rows = max_rows
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        return cpu_linear(x, weight, bias, self.packed, self.emulated)
+        return cpu_linear(x, weight, bias, self.packed, self.emulated, self.max_rows)
 
 
 class BF16Linear:
@@ -271,11 +288,13 @@ class CPUBackend:
 
     def _pack(self, model: CausalLM) -> None:
         """Each weight (fp32, or bf16 on a CPU with bf16 instructions) gets a oneDNN-packed
-        copy for steps of at most :data:`PACKED_MAX_ROWS` rows, which doubles the memory the
-        weights take; larger steps use the dense weight, whose layout does not matter there.
+        copy for the steps :func:`packed_max_rows` gives it, which doubles the memory the
+        weights take; other steps use the dense weight, whose layout does not matter there.
         Where torch has no oneDNN, fp32 weights become input-major instead, which MKL streams
         faster for steps of a few rows; bf16 ones stay as they are."""
-        self.paths.update(linear=f"onednn-{_name(self.dtype)}-packed<={PACKED_MAX_ROWS}rows,torch")
+        rows = packed_max_rows(self.features)
+        scope = "all-rows" if rows is None else f"<={rows}rows,torch"
+        self.paths.update(linear=f"onednn-{_name(self.dtype)}-packed{scope}")
         for module in model.modules():
             if isinstance(module, Linear):
                 packed = pack_weight(module.weight.data)
@@ -285,10 +304,10 @@ class CPUBackend:
                     layout = "input-major" if self.dtype == torch.float32 else _name(self.dtype)
                     self.paths.update(linear=f"torch-{layout}")
                 else:
-                    module.kernel = CPULinear(packed)
+                    module.kernel = CPULinear(packed, max_rows=rows)
         if model.tie_word_embeddings:
             packed = pack_weight(model.model.embed_tokens.weight.data)
-            model.logits_kernel = None if packed is None else CPULinear(packed)
+            model.logits_kernel = None if packed is None else CPULinear(packed, max_rows=rows)
         else:
             model.logits_kernel = model.lm_head.kernel
         self.paths.update(logits=self.paths["linear"])

@@ -103,3 +103,22 @@ def test_packed_fp32_linear_matches_f_linear(rows: int, bias: bool) -> None:
     wide = torch.randn(rows, 64, generator=g)
     got = cpu_linear(wide[:, :32], w, b, packed)
     torch.testing.assert_close(got, F.linear(wide[:, :32], w, b))
+
+
+def test_packed_weight_serves_every_step_on_avx512_only() -> None:
+    def features(isa: str) -> cpu_backend.CPUFeatures:
+        return cpu_backend.CPUFeatures(model="x", flags=frozenset(), isa=isa, forced=None)  # type: ignore[arg-type]
+
+    assert cpu_backend.packed_max_rows(features("avx512")) is None
+    assert cpu_backend.packed_max_rows(features("avx2")) == cpu_backend.PACKED_MAX_ROWS
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    packed = cpu_backend.pack_weight(w)
+    if packed is None:
+        pytest.skip("this torch build has no oneDNN")
+    x = torch.randn(3 * cpu_backend.PACKED_MAX_ROWS, 32, generator=g)
+    torch.testing.assert_close(cpu_linear(x, w, b, packed, max_rows=None), F.linear(x, w, b))
+    # A weight it must not read (zeros) proves which path served the step.
+    zeros = torch.zeros_like(w)
+    torch.testing.assert_close(cpu_linear(x, zeros, b, packed, max_rows=None), F.linear(x, w, b))
+    torch.testing.assert_close(cpu_linear(x, zeros, b, packed), F.linear(x, zeros, b))
