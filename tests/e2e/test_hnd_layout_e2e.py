@@ -13,6 +13,7 @@ import torch
 from kvferry import LLM, SamplingParams
 from kvferry.config import ConfigError
 from kvferry.kv_layout import KVCacheLayout, layout_of
+from tests.helpers.scheduler import assert_no_leaks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MODULE = "tests.helpers.layout_connector"
@@ -53,14 +54,6 @@ def _run(llm: LLM) -> tuple[list[list[int]], int]:
     return [o.outputs[0].token_ids for o in outs], hits
 
 
-def _assert_clean(llm: LLM) -> None:
-    sched = llm.engine.scheduler
-    sched.kv_cache_manager.check_integrity()
-    assert sched.kv_cache_manager.get_num_free_blocks() == llm.engine.kv_cache_config.num_blocks
-    assert not sched.has_unfinished_requests()
-    assert not sched.requests
-
-
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
@@ -68,10 +61,11 @@ def model_dir(tiny_model_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> list[list[int]]:
-    llm = _llm(model_dir)
-    tokens, _ = _run(llm)
-    _assert_clean(llm)
-    assert llm.engine.kv_cache_config.layout is KVCacheLayout.NHD
+    """Greedy tokens of an engine without a connector, whose pool is NHD."""
+    plain = _llm(model_dir)
+    assert plain.engine.kv_cache_config.layout is KVCacheLayout.NHD
+    tokens = _run(plain)[0]
+    assert_no_leaks(plain.engine.scheduler)
     return tokens
 
 
@@ -102,7 +96,7 @@ def test_hnd_connector_outputs_and_hits_match_nhd(
             assert k is None or k.supports(t, torch.zeros(1, 2 * h, d))
     tokens, hits = _run(first)
     assert tokens == reference and hits == 0
-    _assert_clean(first)
+    assert_no_leaks(first.engine.scheduler)
     first.engine.shutdown()
 
     # A fresh HND engine, and an NHD one, load the stored prefixes: files hold token rows.
@@ -110,7 +104,7 @@ def test_hnd_connector_outputs_and_hits_match_nhd(
         again = _llm(model_dir, _kv(name, tmp_path / "kv", module))
         tokens, hits = _run(again)
         assert tokens == reference and hits > 0, name
-        _assert_clean(again)
+        assert_no_leaks(again.engine.scheduler)
         again.engine.shutdown()
 
 
@@ -122,7 +116,7 @@ def test_layout_override_by_environment(model_dir, reference, tmp_path, monkeypa
         KVCacheLayout.HND
     )
     assert _run(llm)[0] == reference
-    _assert_clean(llm)
+    assert_no_leaks(llm.engine.scheduler)
 
     monkeypatch.setenv("KVFERRY_KV_CACHE_LAYOUT", "NHD")
     with pytest.raises(ConfigError, match="KVFERRY_KV_CACHE_LAYOUT='NHD'.*requires the 'HND'"):

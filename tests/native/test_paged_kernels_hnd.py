@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvferry.kv_layout import KVCacheLayout, layout_of
 from kvferry.native.paged_decode import load_paged_decode
 from kvferry.native.paged_prefill import load_paged_prefill
+from tests.native.test_sliding_window_kernels import _reference as windowed_reference
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
@@ -32,26 +32,8 @@ def _as_hnd(cache: torch.Tensor) -> torch.Tensor:
 def _reference(
     q: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, ctx: int, window: int | None
 ) -> torch.Tensor:
-    """fp32 SDPA over the gathered sequence; the query at p sees keys up to p (and with a
-    window, after p - window)."""
-    q_len, _, head_dim = q.shape
-    seq = ctx + q_len
-    k = cache[0][block_ids].flatten(0, 1)[:seq].float()
-    v = cache[1][block_ids].flatten(0, 1)[:seq].float()
-    keys = torch.arange(seq)[None, :]
-    pos = (torch.arange(q_len) + ctx)[:, None]
-    mask = keys <= pos
-    if window is not None:
-        mask &= keys > pos - window
-    o = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        attn_mask=mask,
-        scale=head_dim**-0.5,
-        enable_gqa=True,
-    )
-    return o[0].transpose(0, 1)
+    """fp32 SDPA over the gathered sequence (no window: one wider than the sequence)."""
+    return windowed_reference(q, cache, block_ids, ctx, window or ctx + q.shape[0] + 1)
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
