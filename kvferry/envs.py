@@ -51,6 +51,12 @@ def kernel_cache_dir() -> str | None:
     return os.environ.get("KVFERRY_KERNEL_CACHE") or None
 
 
+def kv_cache_layout() -> str | None:
+    """KVFERRY_KV_CACHE_LAYOUT: the KV pool's layout, ``NHD`` or ``HND`` (vLLM's
+    VLLM_KV_CACHE_LAYOUT; default: what the KV connector requires, else NHD)."""
+    return os.environ.get("KVFERRY_KV_CACHE_LAYOUT") or None
+
+
 def kv_pool_prefault() -> bool:
     """KVFERRY_KV_POOL_PREFAULT=1: a CPU engine writes its whole KV pool at start-up, so the
     memory is resident before the first request (default: pages are taken on first use)."""

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.kv_layout import KVCacheLayout
+
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
@@ -28,10 +30,12 @@ class KVCacheGroupSpec:
 @dataclass(frozen=True)
 class KVCacheConfig:
     """``num_blocks`` blocks of ``block_size`` tokens, per layer a tensor of shape
-    ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (index 0 keys, 1 values)."""
+    ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (index 0 keys, 1 values) whose
+    memory is in ``layout`` order (see :mod:`kvferry.kv_layout`)."""
 
     num_blocks: int
     groups: tuple[KVCacheGroupSpec, ...]
+    layout: KVCacheLayout = KVCacheLayout.NHD
 
     @property
     def block_size(self) -> int:

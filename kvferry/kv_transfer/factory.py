@@ -17,10 +17,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from kvferry import envs
 from kvferry.config import ConfigError
+from kvferry.kv_layout import KVCacheLayout
 from kvferry.kv_transfer import vllm_imports
 from kvferry.kv_transfer.base import (
-    KV_CACHE_LAYOUT,
     KVConnectorBase,
     KVConnectorRole,
     supports_hma,
@@ -98,10 +99,15 @@ class KVConnectorFactory:
                 f"{connector_cls.__name__} does not implement SupportsHMA, but this engine has "
                 f"{len(kv_cache_config.groups)} KV cache groups"
             )
+        required = required_kv_cache_layout(connector_cls, config)
+        if required is not None and required is not kv_cache_config.layout:
+            raise ConfigError(
+                f"{connector_cls.__name__} requires the {required.value!r} KV cache layout, "
+                f"but the KV pool is allocated {kv_cache_config.layout.value!r}" + _override_hint()
+            )
         config, kv_cache_config = vllm_imports.connector_args(
             connector_cls, config, kv_cache_config
         )
-        check_kv_cache_layout(connector_cls, config)
         # Positional, as vLLM's factory calls it: any parameter names, and *args pass-through.
         return connector_cls(config, role, kv_cache_config)
 
@@ -121,16 +127,60 @@ def _takes_kv_cache_config(connector_cls: type[KVConnectorBase]) -> bool:
     )
 
 
-def check_kv_cache_layout(connector_cls: type[KVConnectorBase], config: EngineConfig) -> None:
-    """Refuse a connector whose ``get_required_kvcache_layout`` asks for a layout other than
-    the one kvferry allocates."""
-    layout = connector_cls.get_required_kvcache_layout(config)
-    if layout is not None and layout.upper() != KV_CACHE_LAYOUT:
+def required_kv_cache_layout(
+    connector_cls: type[KVConnectorBase], config: EngineConfig
+) -> KVCacheLayout | None:
+    """What ``connector_cls.get_required_kvcache_layout`` asks for, or None for any; a name
+    kvferry does not allocate is a :class:`ConfigError`."""
+    name = connector_cls.get_required_kvcache_layout(vllm_imports.config_arg(connector_cls, config))
+    if name is None:
+        return None
+    layout = KVCacheLayout.named(str(name))
+    if layout is None:
         raise ConfigError(
-            f"{connector_cls.__name__} requires the {layout!r} KV cache layout, but kvferry "
-            f"allocates {KV_CACHE_LAYOUT!r} only: (2, num_blocks, block_size, num_kv_heads, "
-            "head_dim) per layer"
+            f"{connector_cls.__name__} requires the {name!r} KV cache layout, which kvferry "
+            f"does not allocate; it allocates {_known_layouts()} (per layer "
+            "(2, num_blocks, block_size, num_kv_heads, head_dim) in either memory order)"
         )
+    return layout
+
+
+def resolve_kv_cache_layout(config: EngineConfig) -> KVCacheLayout:
+    """The layout the KV pool is allocated in, decided once at start: ``KVFERRY_KV_CACHE_LAYOUT``
+    when set, else what the configured connector requires, else ``NHD`` (vLLM's order of
+    choice). An override that contradicts the connector's requirement, or a name kvferry does
+    not allocate, is a :class:`ConfigError`."""
+    kvt = config.kv_transfer_config
+    required = None
+    connector_name = None
+    if kvt is not None and kvt.kv_connector is not None:
+        connector_cls = KVConnectorFactory.get_connector_class(kvt)
+        required = required_kv_cache_layout(connector_cls, config)
+        connector_name = connector_cls.__name__
+    override = envs.kv_cache_layout()
+    if override is None:
+        return required or KVCacheLayout.NHD
+    layout = KVCacheLayout.named(override)
+    if layout is None:
+        raise ConfigError(
+            f"KVFERRY_KV_CACHE_LAYOUT={override!r} is not a KV cache layout; "
+            f"choose one of {_known_layouts()}"
+        )
+    if required is not None and required is not layout:
+        raise ConfigError(
+            f"KVFERRY_KV_CACHE_LAYOUT={override!r}, but {connector_name} requires the "
+            f"{required.value!r} KV cache layout; unset the variable or set it to {required.value}"
+        )
+    return layout
+
+
+def _known_layouts() -> str:
+    return " or ".join(repr(x.value) for x in KVCacheLayout)
+
+
+def _override_hint() -> str:
+    override = envs.kv_cache_layout()
+    return "" if override is None else f" (KVFERRY_KV_CACHE_LAYOUT={override!r})"
 
 
 def import_module_path(module_path: str, what: str = "module") -> ModuleType:

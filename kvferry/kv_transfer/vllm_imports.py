@@ -147,6 +147,15 @@ def _source_imports_vllm(module: ModuleType | None) -> bool:
     return False
 
 
+def config_arg(connector_cls: type, config: Any) -> Any:
+    """The ``vllm_config`` to ask ``connector_cls``'s classmethods with: vLLM's view over
+    kvferry's config for a vLLM-style connector, kvferry's config otherwise."""
+    if not is_vllm_style(connector_cls) or not install():
+        return config
+    views: Any = importlib.import_module(f"{_TARGET}.config")
+    return views.VllmConfig.of(config)
+
+
 def connector_args(connector_cls: type, config: Any, kv_cache_config: Any) -> tuple[Any, Any]:
     """The ``(vllm_config, kv_cache_config)`` to construct ``connector_cls`` with: vLLM's views
     over kvferry's objects for a vLLM-style connector, kvferry's objects otherwise."""

@@ -1,7 +1,7 @@
 """Paged attention over the engine's KV pool, with the KV connector's per-layer hooks.
 
 Each layer's cache has shape ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (index 0
-keys, 1 values). A forward writes the step's new K/V at ``slot_mapping`` and then attends
+keys, 1 values), its memory in either layout of :mod:`kvferry.kv_layout`. A forward writes the step's new K/V at ``slot_mapping`` and then attends
 following the plan in :class:`~kvferry.model.attention_metadata.AttentionMetadata`. Only
 device-agnostic torch ops are used, so the same code runs on CPU and CUDA, except for the
 decode and prefill kernels that the runner's workspace may offer.
@@ -21,14 +21,21 @@ from kvferry.model.forward_context import get_forward_context
 def _gather_blocks(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, buffers: GatherBuffers
 ) -> torch.Tensor:
-    """Copy blocks ``block_ids`` (1-D) of both K and V into ``buffers``; returns a view shaped
-    ``(2, len(block_ids) * block_size, num_kv_heads, head_dim)``."""
+    """Copy blocks ``block_ids`` (1-D) of both K and V into ``buffers``; returns a tensor shaped
+    ``(2, len(block_ids) * block_size, num_kv_heads, head_dim)`` (with ``HND`` a copy of the
+    gathered blocks with tokens outside heads; with ``NHD`` a view of the buffer)."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     per_block = block_size * kv_heads * head_dim
     n = block_ids.numel()
     out = buffers.get(2 * n * per_block, kv_cache.device, kv_cache.dtype).view(2, n, per_block)
-    torch.index_select(kv_cache.view(2, num_blocks, per_block), 1, block_ids, out=out)
-    return out.view(2, n * block_size, kv_heads, head_dim)
+    nhd = kv_cache.stride(2) == kv_heads * head_dim
+    # In memory order, where each block is one run of per_block elements.
+    blocks = (kv_cache if nhd else kv_cache.transpose(2, 3)).view(2, num_blocks, per_block)
+    torch.index_select(blocks, 1, block_ids, out=out)
+    if nhd:  # the blocks are token rows already
+        return out.view(2, n * block_size, kv_heads, head_dim)
+    hnd = out.view(2, n, kv_heads, block_size, head_dim)
+    return hnd.transpose(2, 3).reshape(2, n * block_size, kv_heads, head_dim)
 
 
 class Attention(nn.Module):
@@ -106,9 +113,16 @@ class Attention(nn.Module):
     def _write(
         kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        flat = kv_cache.flatten(1, 2)  # (2, num_slots, kv_heads, head_dim), a view
-        flat[0].index_copy_(0, slots, k)
-        flat[1].index_copy_(0, slots, v)
+        if kv_cache.stride(2) == kv_cache.shape[3] * kv_cache.shape[4]:  # NHD
+            flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # (2, num_slots, kv_heads, d)
+            flat[0].index_copy_(0, slots, k)
+            flat[1].index_copy_(0, slots, v)
+            return
+        # HND: a slot's heads are block_size rows apart; address (block, offset) directly.
+        block_size = kv_cache.shape[2]
+        index = (slots // block_size, slots % block_size)
+        kv_cache[0].index_put_(index, k)
+        kv_cache[1].index_put_(index, v)
 
     def _attend(
         self,

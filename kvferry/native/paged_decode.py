@@ -18,6 +18,8 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,  # block_size
     ctypes.c_int64,  # num_kv_heads
     ctypes.c_int64,  # head_dim
+    ctypes.c_int64,  # token stride inside a block (elements)
+    ctypes.c_int64,  # kv head stride inside a block (elements)
     ctypes.c_void_p,  # block table
     ctypes.c_int64,  # block table row stride
     ctypes.c_void_p,  # lens
@@ -50,7 +52,7 @@ class PagedDecodeKernel(PagedKVKernel):
         window: int | None = None,
     ) -> torch.Tensor:
         """``q``: ``[num_reqs, num_heads, head_dim]`` whose rows may be strided, heads and
-        head_dim contiguous; ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``;
+        head_dim contiguous; ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``, NHD or HND;
         ``block_table``: ``[num_reqs, >= ceil(len / block_size)]`` int64, rows contiguous;
         ``seq_lens``: ``[num_reqs]`` int64, each >= 1. ``window``: a sliding window, the
         query sees only the last ``window`` keys (blocks wholly before them are never read)."""
@@ -69,6 +71,8 @@ class PagedDecodeKernel(PagedKVKernel):
             block_size,
             kv_heads,
             head_dim,
+            kv_cache.stride(2),
+            kv_cache.stride(3),
             block_table.data_ptr(),
             block_table.stride(0),
             seq_lens.data_ptr(),

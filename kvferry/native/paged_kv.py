@@ -8,12 +8,15 @@ from typing import Any
 
 import torch
 
+from kvferry.kv_layout import layout_of
+
 
 class PagedKVKernel:
     """A C attention kernel reading K/V in place from a ``(2, num_blocks, block_size,
-    kv_heads, head_dim)`` pool; ``<symbol>_f32`` and ``<symbol>_bf16`` are its entry points.
-    :meth:`supports` is what every such kernel needs (CPU, fp32 or bf16, contiguous cache);
-    subclasses add their own limits."""
+    kv_heads, head_dim)`` pool in either layout (the token and head strides are passed in);
+    ``<symbol>_f32`` and ``<symbol>_bf16`` are its entry points. :meth:`supports` is what every
+    such kernel needs (CPU, fp32 or bf16, a cache dense in NHD or HND order); subclasses add
+    their own limits."""
 
     DTYPES = (torch.float32, torch.bfloat16)
 
@@ -31,5 +34,5 @@ class PagedKVKernel:
             kv_cache.device.type == "cpu"
             and kv_cache.dtype in self.DTYPES
             and q.dtype == kv_cache.dtype
-            and kv_cache.is_contiguous()
+            and layout_of(kv_cache) is not None
         )

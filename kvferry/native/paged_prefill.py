@@ -18,6 +18,8 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,  # block_size
     ctypes.c_int64,  # num_kv_heads
     ctypes.c_int64,  # head_dim
+    ctypes.c_int64,  # token stride inside a block (elements)
+    ctypes.c_int64,  # kv head stride inside a block (elements)
     ctypes.c_void_p,  # block ids of the request
     ctypes.c_int64,  # context length (tokens before the chunk)
     ctypes.c_int64,  # query length (tokens in the chunk)
@@ -63,7 +65,7 @@ class PagedPrefillKernel(PagedKVKernel):
     ) -> torch.Tensor:
         """``q``: ``[q_len, num_heads, head_dim]`` whose rows may be strided, heads and
         head_dim contiguous, for positions ``context_len .. context_len + q_len - 1``;
-        ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``; ``block_ids``:
+        ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``, NHD or HND; ``block_ids``:
         contiguous int64 covering ``context_len + q_len`` tokens. ``window``: a sliding window,
         each query sees only the last ``window`` keys up to its own position (blocks wholly
         before every query's window are never read)."""
@@ -82,6 +84,8 @@ class PagedPrefillKernel(PagedKVKernel):
             block_size,
             kv_heads,
             head_dim,
+            kv_cache.stride(2),
+            kv_cache.stride(3),
             block_ids.data_ptr(),
             context_len,
             q_len,

@@ -51,15 +51,16 @@ def allocate_kv_caches(
     make_tensor: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """layer name -> its KV tensor ``(2, num_blocks, block_size, kv_heads, head_dim)``, one
-    tensor per entry of ``config.kv_cache_tensors`` made by ``make_tensor``, the same object
-    for every layer that shares it."""
+    tensor per entry of ``config.kv_cache_tensors`` made by ``make_tensor`` in the memory
+    order of ``config.layout`` and permuted back to that logical shape, the same object for
+    every layer that shares it."""
     g = config.groups[0]
     pages = {(x.block_size, x.num_kv_heads, x.head_dim, x.dtype) for x in config.groups}
     assert len(pages) == 1, "groups sharing KV tensors need one page shape"
     shape = (2, config.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
     caches: dict[str, torch.Tensor] = {}
     for shared_by in config.kv_cache_tensors:
-        tensor = make_tensor(shape, g.dtype, device)
+        tensor = config.layout.allocate(shape, g.dtype, device, make_tensor)
         caches.update(dict.fromkeys(shared_by, tensor))
     # In the model's layer order, which connectors see when they register the caches.
     order = [name for group in config.groups for name in group.layer_names]

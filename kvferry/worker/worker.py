@@ -19,7 +19,7 @@ from kvferry import envs
 from kvferry.config import ConfigError, EngineConfig
 from kvferry.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorHandshakeMetadata, KVConnectorRole
-from kvferry.kv_transfer.factory import KVConnectorFactory
+from kvferry.kv_transfer.factory import KVConnectorFactory, resolve_kv_cache_layout
 from kvferry.kv_transfer.trace import maybe_wrap
 from kvferry.logger import fmt_fields, init_logger
 from kvferry.model.loader import load_model
@@ -106,9 +106,11 @@ class Worker:
             num_kv_heads=mc.arch.num_key_value_heads // tp_size(),
         )
         group = groups[0]
+        # Decided before anything is allocated: the pool is laid out once, for the connector.
+        layout = resolve_kv_cache_layout(config)
         # Every rank's pool has the same number of blocks: the scheduler hands out one id space.
         num_blocks = all_reduce_min(self._num_blocks(groups))
-        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=groups)
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=groups, layout=layout)
         self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device, zeroed_kv_tensor)
         logger.info(
             fmt_fields(
@@ -116,6 +118,7 @@ class Worker:
                 blocks=num_blocks,
                 block_size=group.block_size,
                 tokens=num_blocks * group.block_size,
+                layout=layout.value,
                 bytes=_fmt_bytes(num_blocks * self.kv_cache_config.bytes_per_block),
             )
         )

@@ -18,8 +18,10 @@ __all__ = [
     "KVConnectorTransferResults",
 ]
 
-# kvferry's per-layer KV tensor is (2, num_blocks, block_size, num_kv_heads, head_dim): inside a
-# block, tokens then heads then head dims, which vLLM's attention backends call "NHD".
+# kvferry's per-layer KV tensor is (2, num_blocks, block_size, num_kv_heads, head_dim); by
+# default its memory is in that order too (inside a block, tokens then heads then head dims),
+# which vLLM's attention backends call "NHD". A connector may ask for "HND" instead (see
+# kvferry.kv_layout); KVCacheConfig.layout says which one a pool has.
 KV_CACHE_LAYOUT = "NHD"
 
 # (src caches, dst caches, src block ids, dst block ids, direction): copies whole blocks of

@@ -60,10 +60,13 @@ class KVConnectorBase(KVConnectorSchedulerSide, KVConnectorWorkerSide, ABC):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """The KV layout the connector needs (``"NHD"``, ``"HND"``...), or None for any.
-        Asked by the factory before the connector is built. kvferry allocates ``"NHD"``
-        (FlashAttention's ``(2, num_blocks, block_size, kv_heads, head_dim)``) and refuses a
-        connector that requires another layout with a clear error. Raises on the base."""
+        """The KV layout the connector needs (``"NHD"`` or ``"HND"``), or None for any.
+        Asked at start, before the KV pool is allocated: the pool is laid out as asked
+        (default ``"NHD"``; ``KVFERRY_KV_CACHE_LAYOUT`` overrides when it agrees). Either way
+        ``register_kv_caches`` gets tensors of FlashAttention's logical shape ``(2,
+        num_blocks, block_size, kv_heads, head_dim)``; with ``"HND"`` their strides put each
+        head's rows of a block together (see :mod:`kvferry.kv_layout`). Any other name is
+        refused with a clear error. Raises on the base."""
         if cls is KVConnectorBase:
             raise TypeError("get_required_kvcache_layout is asked of a connector class")
         return None

@@ -37,8 +37,10 @@ class KVConnectorWorkerSide(ABC):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Called once per worker after the KV pool is allocated: layer name -> tensor of shape
-        ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (layout ``"NHD"``; see
-        ``get_required_kvcache_layout``). Pre-register memory here."""
+        ``(2, num_blocks, block_size, num_kv_heads, head_dim)``, its memory in the order of
+        the pool's layout (``"NHD"``: contiguous as shaped; ``"HND"``: strided so each head's
+        rows of a block are together; see ``get_required_kvcache_layout`` and
+        ``kv_cache_config.layout``). Pre-register memory here."""
 
     def set_host_xfer_buffer_ops(self, copy_op: CopyBlocksOp) -> None:
         """Called right after ``register_kv_caches`` with the engine's block copy function."""

@@ -324,10 +324,12 @@ class ExampleConnector(KVConnectorBase, SupportsHMA):
                 raise ValueError(
                     f"{name}: stored {tuple(kv.shape)} {kv.dtype}, expected {expected}"
                 )
-            flat = cache.view(2, -1, *cache.shape[3:])
             start = max(job.start, first)
             slots = self._slots(job, cache.device, name)[start:]
-            flat[:, slots] = kv[:, start - first :].to(cache.device)
+            # (block, offset) indexing follows the tensor's strides: NHD and HND pools alike.
+            cache[:, slots // self.block_size, slots % self.block_size] = kv[:, start - first :].to(
+                cache.device
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -343,10 +345,11 @@ class ExampleConnector(KVConnectorBase, SupportsHMA):
                 tmp = self.root / f".tmp-{job.key}-{uuid.uuid4().hex[:8]}"
                 tmp.mkdir(parents=True, exist_ok=True)
                 self._staged[job.key] = tmp
-            flat = kv_layer.view(2, -1, *kv_layer.shape[3:])
             first = self._first_stored(layer_name, job.num_tokens)
             slots = self._slots(job, kv_layer.device, layer_name)[first:]
-            kv = flat[:, slots].to("cpu").contiguous()
+            # Token rows in position order, whatever the pool's layout: files are portable.
+            kv = kv_layer[:, slots // self.block_size, slots % self.block_size]
+            kv = kv.to("cpu").contiguous()
             save_file({"kv": kv}, str(tmp / f"{layer_name}.safetensors"))
 
     def wait_for_save(self) -> None:

@@ -88,8 +88,9 @@ class MultiClassHooks:
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # Names compared as the factory reads them (any case, surrounding spaces).
         layouts = {
-            layout
+            str(layout).strip().upper()
             for child_cls, child_config in cls._child_classes(vllm_config)
             if (layout := child_cls.get_required_kvcache_layout(child_config)) is not None
         }

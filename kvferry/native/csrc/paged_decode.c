@@ -8,9 +8,13 @@
  * thread busy, spread over OpenMP threads; the query heads that share a kv head are served
  * by one pass over its keys and values.
  *
- * Layouts (all C-contiguous except q's row stride):
+ * Layouts (all C-contiguous except q's row stride and the cache's inner strides):
  *   q      [num_reqs, num_heads, head_dim], row r at q + r * q_row_stride
- *   cache  [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values)
+ *   cache  [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values); inside a
+ *          block, token t's head h starts at t * tok_stride + h * head_stride: NHD
+ *          (tok_stride = num_kv_heads * head_dim, head_stride = head_dim) or HND
+ *          (tok_stride = head_dim, head_stride = block_size * head_dim). Blocks are
+ *          block_size * num_kv_heads * head_dim apart either way.
  *   table  [num_reqs, table_stride] block ids
  *   lens   [num_reqs] context length including the new token (>= 1)
  *   window 0, or a sliding window: the query (at position len - 1) sees only the last
@@ -91,29 +95,31 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
 /* One work item: request `brow`/`len`, kv heads h0 .. h0 + nh - 1 and their query heads.
  * Reading several kv heads per pass walks each token's row of the block contiguously, which
  * the hardware prefetcher streams; one head at a time would touch every other cache line.
+ * nh > 1 needs the heads of a token adjacent (NHD); with HND an item has one head, whose rows
+ * of a block are themselves one contiguous run.
  * qf: [nh * group, head_dim]; scores: [nh * group, len]; acc: [nh * group, head_dim] (left
  * normalised); gsum: [nh * group]; rows: 4 * nh * head_dim (bf16 only: widened rows).
  * ROW(p, slot) yields the nh heads' rows of one token, starting at p, as floats. */
 #define PREFETCH_NEXT(src, t)                                                                 \
-    prefetch_rows((const char *)((src) + brow[(t) / block_size] * block_elems + h0 * head_dim), \
+    prefetch_rows((const char *)((src) + brow[(t) / block_size] * block_elems + h0 * head_stride), \
                   len - (t) < block_size ? len - (t) : block_size,                              \
                   tok_stride * (int64_t)sizeof(*(src)), nh * head_dim * (int64_t)sizeof(*(src)))
 #define DEFINE_ITEM(NAME, T, ROW)                                                             \
     static void NAME(const float *qf, const T *cache, int64_t num_blocks, int64_t block_size, \
-                     int64_t num_kv_heads, int64_t head_dim, const int64_t *brow, int64_t len, \
+                     int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,              \
+                     int64_t head_stride, const int64_t *brow, int64_t len,                   \
                      int64_t h0, int64_t nh, int64_t group, float scale, int64_t window,       \
                      float *scores, float *acc, float *gsum, float *rows) {                   \
         (void)rows;                                                                           \
         /* First key the query sees, and the block that holds it. */                          \
         const int64_t lo = window > 0 && len > window ? len - window : 0;                     \
         const int64_t first = lo - lo % block_size;                                           \
-        const int64_t tok_stride = num_kv_heads * head_dim;                                   \
-        const int64_t block_elems = block_size * tok_stride;                                  \
+        const int64_t block_elems = block_size * num_kv_heads * head_dim;                     \
         const int64_t nq = nh * group;                                                        \
         const T *vals = cache + num_blocks * block_elems;                                     \
         for (int64_t t0 = first; t0 < len; t0 += block_size) {                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                  \
-            const T *base = cache + brow[t0 / block_size] * block_elems + h0 * head_dim;      \
+            const T *base = cache + brow[t0 / block_size] * block_elems + h0 * head_stride;   \
             if (t0 + block_size < len)                                                        \
                 PREFETCH_NEXT(cache, t0 + block_size);                                        \
             int64_t j = t0 < lo ? lo - t0 : 0;                                                \
@@ -148,7 +154,7 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
         memset(acc, 0, sizeof(float) * nq * head_dim);                                        \
         for (int64_t t0 = first; t0 < len; t0 += block_size) {                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                  \
-            const T *base = vals + brow[t0 / block_size] * block_elems + h0 * head_dim;       \
+            const T *base = vals + brow[t0 / block_size] * block_elems + h0 * head_stride;    \
             if (t0 + block_size < len)                                                        \
                 PREFETCH_NEXT(vals, t0 + block_size);                                         \
             int64_t j = t0 < lo ? lo - t0 : 0;                                                \
@@ -189,20 +195,24 @@ static int64_t max_len(const int64_t *lens, int64_t n) {
     return m;
 }
 
-/* Items are whole requests when there are enough to keep every thread busy, otherwise
- * single (request, kv head) pairs. */
-static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int num_threads) {
+/* Items are whole requests when there are enough to keep every thread busy (and a token's
+ * heads are adjacent), otherwise single (request, kv head) pairs. */
+static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t head_stride, int num_threads) {
+    if (head_stride != head_dim) return 1;
     return num_reqs >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
 #define DEFINE_DRIVER(NAME, T, ITEM, WIDEN_Q, STORE_OUT)                                      \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
-             int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int64_t *table, \
-             int64_t table_stride, const int64_t *lens, int64_t num_reqs, int64_t group,       \
-             float scale, int64_t window, T *out, int num_threads) {                          \
+             int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,  \
+             int64_t head_stride, const int64_t *table, int64_t table_stride,                 \
+             const int64_t *lens, int64_t num_reqs, int64_t group, float scale,               \
+             int64_t window, T *out, int num_threads) {                                       \
         const int64_t longest = max_len(lens, num_reqs);                                      \
-        const int64_t nh = heads_per_item(num_reqs, num_kv_heads, num_threads);               \
+        const int64_t nh =                                                                    \
+            heads_per_item(num_reqs, num_kv_heads, head_dim, head_stride, num_threads);       \
         const int64_t per_kv = num_kv_heads / nh, nq = nh * group;                            \
         int failed = 0;                                                                       \
         _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)") {              \
@@ -220,8 +230,8 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int num_th
                 const T *qr = q + r * q_row_stride + h0 * group * head_dim;                   \
                 T *o = out + (r * num_kv_heads + h0) * group * head_dim;                      \
                 ITEM(WIDEN_Q(qr), cache, num_blocks, block_size, num_kv_heads, head_dim,      \
-                     table + r * table_stride, lens[r], h0, nh, group, scale, window, scores, \
-                     acc, gsum, rows);                                                        \
+                     tok_stride, head_stride, table + r * table_stride, lens[r], h0, nh,      \
+                     group, scale, window, scores, acc, gsum, rows);                          \
                 STORE_OUT(o, acc, nq * head_dim);                                             \
             }                                                                                 \
             free(scratch);                                                                    \

@@ -22,7 +22,9 @@
  *
  * Layouts:
  *   q      [q_len, num_heads, head_dim], row t at q + t * q_row_stride, heads contiguous
- *   cache  [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values)
+ *   cache  [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values); inside a
+ *          block, token t's head h starts at t * tok_stride + h * head_stride (NHD or HND
+ *          order; blocks are block_size * num_kv_heads * head_dim apart either way)
  *   table  block ids of the request, covering ctx + q_len tokens
  *   out    [q_len, num_heads, head_dim], contiguous
  * head_dim must be a multiple of KB (4); group (query heads per kv head) at most ROWS.
@@ -201,10 +203,11 @@ typedef struct {
 
 #define DEFINE_PREFILL(NAME, T, TO_F32, FROM_F32)                                             \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
-             int64_t block_size, int64_t num_kv_heads, int64_t d, const int64_t *table,      \
+             int64_t block_size, int64_t num_kv_heads, int64_t d, int64_t tok_stride,        \
+             int64_t head_stride, const int64_t *table,                                       \
              int64_t ctx, int64_t q_len, int64_t group, float scale, int64_t window, T *out,  \
              int num_threads) {                                                               \
-        const int64_t tok_stride = num_kv_heads * d, block_elems = block_size * tok_stride;  \
+        const int64_t block_elems = block_size * num_kv_heads * d;                            \
         const T *vals = cache + num_blocks * block_elems;                                     \
         const int64_t qt_n = ROWS / group > 0 ? ROWS / group : 1; /* queries per item */      \
         const int64_t tiles = (q_len + qt_n - 1) / qt_n, items = tiles * num_kv_heads;       \
@@ -251,7 +254,7 @@ typedef struct {
                     for (int64_t j = 0; j < n; j++) {                                         \
                         const int64_t t = t0 + j;                                             \
                         const int64_t off = table[t / block_size] * block_elems +             \
-                                            (t % block_size) * tok_stride + h * d;            \
+                                            (t % block_size) * tok_stride + h * head_stride;  \
                         if (sizeof(T) == sizeof(float)) {                                     \
                             krow[j] = (const float *)(const void *)(cache + off);             \
                             vrow[j] = (const float *)(const void *)(vals + off);              \
