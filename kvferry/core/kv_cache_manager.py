@@ -249,12 +249,15 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_covered = num_computed + num_external_computed_tokens + num_new_tokens
         # External tokens a sliding-window group's window does not reach get null blocks:
-        # nothing is loaded into them, nothing published from them.
+        # nothing is loaded into them, nothing published from them. A load that reaches the
+        # request's last token is rewound by one once done (that token's forward yields the
+        # logits), so the window is the one of the last token, not of the token after it.
+        reach = num_computed + num_external_computed_tokens
+        if num_external_computed_tokens and reach >= request.num_tokens:
+            reach = max(num_computed, request.num_tokens - 1)
         for i, manager in enumerate(groups):
             num_table = len(manager.req_to_blocks.get(req_id, ())) + len(hits[i])
-            hits[i] += manager.skipped_blocks(
-                num_table, num_computed + num_external_computed_tokens
-            )
+            hits[i] += manager.skipped_blocks(num_table, reach)
         num_slots = min(num_covered + num_lookahead_tokens, self.max_model_len)
         num_new = [
             m.num_blocks_to_allocate(req_id, num_slots, len(h))

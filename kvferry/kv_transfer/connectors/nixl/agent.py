@@ -165,7 +165,9 @@ class NixlTransport:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> KVLayout:
         layout = KVLayout.of_caches(kv_caches)
-        self._reg = self.agent.register_memory(list(kv_caches.values()))
+        # One region per distinct tensor (a hybrid model's groups share them, see KVLayout).
+        unique = list({t.data_ptr(): t for t in kv_caches.values()}.values())
+        self._reg = self.agent.register_memory(unique)
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", layout.descs(), layout.mem_type)
         self.layout = layout
         return layout

@@ -42,6 +42,10 @@ prefill side did (or gave up). UCX's progress thread sleeps between events (waki
 every ``progress_interval``), and UCX listens only on the side-channel host's interface when
 that is an address of this machine (unless ``UCX_NET_DEVICES`` is set).
 
+Hybrid models (several KV cache groups, docs/hybrid_kv.md): ``remote_block_ids`` holds one
+list per group; a sliding-window group sends only the blocks in its window at the prompt's
+end, null blocks never travel. The compatibility hash covers the group structure.
+
 Trust (:mod:`.auth`, docs/security.md): with a deployment secret every side-channel message
 is authenticated and replay-protected, and the params a prefill instance issues are signed;
 a decode instance refuses unsigned or altered params at intake. Without one the connector
@@ -50,8 +54,9 @@ works on loopback only (one warning at start-up) unless ``allow_unauthenticated`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvferry.kv_transfer.base import SupportsHMA
 from kvferry.kv_transfer.connectors.nixl.options import NixlOptions
 from kvferry.kv_transfer.connectors.nixl.scheduler import NixlConnectorScheduler
 from kvferry.kv_transfer.connectors.pd.connector import PDConnector
@@ -60,11 +65,23 @@ if TYPE_CHECKING:
     from kvferry.config import EngineConfig
     from kvferry.kv_cache_config import KVCacheConfig
     from kvferry.kv_transfer.connectors.nixl.worker import NixlConnectorWorker
+    from kvferry.request import Request
 
 
-class NixlConnector(PDConnector):
+class NixlConnector(PDConnector, SupportsHMA):
+    """Hybrid models (SupportsHMA): the params carry one block list per KV cache group, a
+    sliding-window group's only the blocks in the window of the last prompt token; the
+    decode instance reads every group's blocks in one transfer (the groups' layers share
+    the KV tensors, a block belongs to one group at a time)."""
+
     options_cls = NixlOptions
     scheduler_cls = NixlConnectorScheduler
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        half = self._scheduler_side("request_finished_all_groups")
+        return half.request_finished_all_groups(request, block_ids)
 
     def make_worker(
         self,

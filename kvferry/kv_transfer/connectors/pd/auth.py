@@ -119,6 +119,8 @@ class SignedFields:
     num_tokens: int
     tp_size: int
     cached_tokens: int
+    # Hybrid engines: how many of ``block_ids`` each KV cache group has (empty: one group).
+    group_sizes: tuple[int, ...] = ()
 
 
 class ParamsSigner:
@@ -146,6 +148,8 @@ class ParamsSigner:
                 f.num_tokens,
                 f.tp_size,
                 f.cached_tokens,
+                # Only hybrid params carry the group structure (one group signs as before).
+                *([list(f.group_sizes)] if f.group_sizes else []),
             ]
         )
         return hmac.digest(self._key, data, "sha256").hex()

@@ -89,6 +89,13 @@ class Compat:
             f"kv2xNxB{g.block_size}xH{g.num_kv_heads * tp}xD{g.head_dim}"
             f"xL{len(kv_cache_config.layer_names)}"
         )
+        if len(kv_cache_config.groups) > 1:
+            # Hybrid: which layers share a tensor and each group's window (one group's
+            # description stays as it was).
+            layout += "xG" + "/".join(
+                f"{len(x.layer_names)}{'' if x.sliding_window is None else f'w{x.sliding_window}'}"
+                for x in kv_cache_config.groups
+            )
         dtype = str(g.dtype).removeprefix("torch.")
         return Compat(
             f"model={Path(mc.model).name}/{mc.arch.architecture}/{arch} "

@@ -33,7 +33,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvferry.config import ConfigError
-from kvferry.kv_transfer.base import CacheHitSource, KVConnectorMetadata, KVConnectorRole
+from kvferry.kv_transfer.base import (
+    CacheHitSource,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
 from kvferry.kv_transfer.connectors.pd.auth import check_exposure, load_peer_auth
 from kvferry.kv_transfer.connectors.pd.metadata import PDConnectorMetadata
 from kvferry.kv_transfer.connectors.pd.options import PDOptions, side_channel_address
@@ -72,7 +77,7 @@ class PDConnector(SplitConnector[PDConnectorScheduler, "PDConnectorWorker"]):
             name,
             ignore=self.subclass_options,
         )
-        if len(kv_cache_config.groups) != 1:
+        if len(kv_cache_config.groups) != 1 and not isinstance(self, SupportsHMA):
             raise ConfigError(f"{name} supports one KV cache group")
         engine_id = self._kv_transfer_config.engine_id
         assert engine_id is not None

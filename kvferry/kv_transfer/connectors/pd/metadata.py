@@ -37,8 +37,10 @@ class RecvSpec(msgspec.Struct, frozen=True):
     """Decode request ``req_id`` reads its prompt's KV from ``remote``: the worker claims all
     of ``remote_block_ids`` (the prompt's ``num_tokens`` tokens, whose digest is
     ``token_digest``) and reads ``remote_block_ids[first_block:]`` into ``local_block_ids``
-    (the blocks before ``first_block`` were a local prefix-cache hit). With ``error`` set the
-    params were invalid: the worker reports the load failed at once and contacts nobody."""
+    (the blocks before ``first_block`` were a local prefix-cache hit), or, when
+    ``read_block_ids`` is set (hybrid engines: every group's blocks, group after group),
+    those remote blocks. With ``error`` set the params were invalid: the worker reports the
+    load failed at once and contacts nobody."""
 
     req_id: str
     remote: RemoteRef | None
@@ -48,6 +50,13 @@ class RecvSpec(msgspec.Struct, frozen=True):
     token_digest: str
     first_block: int = 0
     error: str | None = None
+    read_block_ids: list[int] | None = None
+
+    def remote_ids_to_read(self) -> list[int]:
+        """The remote blocks read into ``local_block_ids``, in the same order."""
+        if self.read_block_ids is not None:
+            return self.read_block_ids
+        return self.remote_block_ids[self.first_block :]
 
 
 class SendSpec(msgspec.Struct, frozen=True):

@@ -12,6 +12,12 @@ trusts a type, a range or a length: :func:`request_side` and :func:`parse_remote
   instance: read those blocks from the prefill instance instead of computing the prompt.
   With a deployment secret they also carry ``kv_signature`` (see :mod:`.auth`), and a decode
   instance reads only with params whose signature verifies.
+
+Hybrid engines (several KV cache groups) send ``remote_block_ids`` as one list per group, as
+vLLM does: the full-attention group every block of the prompt, a sliding-window group only
+the blocks from the one holding position ``num_tokens - window`` on (the window of the last
+prompt token, which the decode instance recomputes; see :func:`first_sent_block`). One group
+sends a flat list (a ``[[...]]`` of one group is read the same).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from kvferry.kv_transfer.connectors.pd.auth import NotAuthenticated, ParamsSigne
 MAX_ID_LEN = 256
 MAX_BLOCKS = 1 << 18
 MAX_TOKENS = 1 << 24
+MAX_GROUPS = 16
 HOST_PATTERN = r"^[A-Za-z0-9.:\[\]_-]+$"
 
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
@@ -37,6 +44,10 @@ Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255, pattern=HOST_PA
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 BlockIds = Annotated[list[BlockId], msgspec.Meta(min_length=1, max_length=MAX_BLOCKS)]
+GroupedBlockIds = Annotated[list[BlockIds], msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
+GroupSizes = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS)]], msgspec.Meta(max_length=MAX_GROUPS)
+]
 NumTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
 Signature = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
@@ -58,11 +69,21 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_request_id: RequestId
     remote_host: Host
     remote_port: Port
-    remote_block_ids: BlockIds
+    # One list per KV cache group (:func:`parse_remote` accepts a flat list for one group).
+    remote_block_ids: GroupedBlockIds
     remote_num_tokens: NumTokens
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     remote_prefill_cached_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
     kv_signature: Signature | None = None
+
+    def flat_block_ids(self) -> list[int]:
+        """Every group's blocks, group after group: what a claim or release names."""
+        return [b for group in self.remote_block_ids for b in group]
+
+    def group_sizes(self) -> tuple[int, ...]:
+        """Blocks per group for hybrid params; empty for one group (signed as before)."""
+        groups = self.remote_block_ids
+        return tuple(len(g) for g in groups) if len(groups) > 1 else ()
 
     def signed_fields(self) -> SignedFields:
         return SignedFields(
@@ -70,10 +91,11 @@ class RemoteParams(msgspec.Struct, frozen=True):
             self.remote_request_id,
             self.remote_host,
             self.remote_port,
-            list(self.remote_block_ids),
+            self.flat_block_ids(),
             self.remote_num_tokens,
             self.tp_size,
             self.remote_prefill_cached_tokens,
+            self.group_sizes(),
         )
 
     def proof(self) -> ParamsProof | None:
@@ -86,6 +108,7 @@ class RemoteParams(msgspec.Struct, frozen=True):
             self.remote_num_tokens,
             self.remote_prefill_cached_tokens,
             self.kv_signature,
+            list(self.group_sizes()),
         )
 
 
@@ -98,6 +121,8 @@ class ParamsProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     num_tokens: NumTokens
     cached_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
     signature: Signature
+    # Hybrid params: blocks per KV cache group of the named (flat) block ids.
+    group_sizes: GroupSizes = []
 
     def fields(
         self, engine_id: str, request_id: str, block_ids: list[int], tp_size: int = 1
@@ -111,6 +136,7 @@ class ParamsProof(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
             self.num_tokens,
             tp_size,
             self.cached_tokens,
+            tuple(self.group_sizes),
         )
 
 
@@ -144,25 +170,64 @@ def request_side(params: Any) -> Side | None:
     return Side.PREFILL if prefill else None
 
 
-def parse_remote(params: dict[str, Any], block_size: int, tp_size: int = 1) -> RemoteParams:
+def first_sent_block(num_tokens: int, block_size: int, window: int | None) -> int:
+    """The first block of a prompt of ``num_tokens`` a group's params carry: block 0 for full
+    attention; for a sliding window, the block of position ``num_tokens - window`` (the
+    earliest the recomputed last prompt token reads)."""
+    return 0 if window is None else max(0, num_tokens - window) // block_size
+
+
+def parse_remote(
+    params: dict[str, Any],
+    block_size: int,
+    tp_size: int = 1,
+    windows: tuple[int | None, ...] = (None,),
+) -> RemoteParams:
     """Type- and range-check the fields a decode request reads with.
 
-    ``remote_block_ids`` must hold exactly the blocks of ``remote_num_tokens`` tokens (no
-    duplicates); the prefill instance's ``tp_size`` and this instance's must divide one
-    another (see :mod:`.tp_slices` for who reads which KV heads)."""
+    ``remote_block_ids`` must hold, per KV cache group of this instance (``windows``: each
+    group's sliding window, None for full attention), exactly the blocks the prefill instance
+    sends for ``remote_num_tokens`` tokens (see :func:`first_sent_block`), no block twice and
+    no null block (block 0) of a hybrid pool; the prefill instance's ``tp_size`` and this
+    instance's must divide one another (see :mod:`.tp_slices` for who reads which KV heads)."""
+    raw = params.get("remote_block_ids")
+    flat_form = isinstance(raw, list) and bool(raw) and not any(isinstance(x, list) for x in raw)
+    if flat_form:
+        params = {**params, "remote_block_ids": [raw]}  # one group, vLLM's flat form
     try:
         remote = msgspec.convert(params, RemoteParams, strict=True)
     except msgspec.ValidationError as e:
-        raise ParamsError(f"invalid kv_transfer_params: {e}") from None
-    need = -(-remote.remote_num_tokens // block_size)
-    if len(remote.remote_block_ids) != need:
+        why = str(e)
+        if flat_form:  # name the position in the list the peer sent
+            why = why.replace("remote_block_ids[0][", "remote_block_ids[")
+        raise ParamsError(f"invalid kv_transfer_params: {why}") from None
+    groups = remote.remote_block_ids
+    if len(groups) != len(windows):
         raise ParamsError(
-            f"invalid kv_transfer_params: remote_block_ids has {len(remote.remote_block_ids)} "
-            f"blocks but remote_num_tokens={remote.remote_num_tokens} needs {need} blocks of "
-            f"{block_size} tokens"
+            f"invalid kv_transfer_params: remote_block_ids has {len(groups)} KV cache groups "
+            f"but this instance has {len(windows)}"
         )
-    if len(set(remote.remote_block_ids)) != need:
+    n = remote.remote_num_tokens
+    num_blocks = -(-n // block_size)
+    for g, (ids, window) in enumerate(zip(groups, windows, strict=True)):
+        need = num_blocks - first_sent_block(n, block_size, window)
+        if len(ids) != need:
+            where = "remote_block_ids" if len(groups) == 1 else f"remote_block_ids[{g}]"
+            kind = "" if window is None else f" in a window of {window}"
+            raise ParamsError(
+                f"invalid kv_transfer_params: {where} has {len(ids)} blocks but "
+                f"remote_num_tokens={n} needs {need} blocks of {block_size} tokens{kind}"
+            )
+    flat = remote.flat_block_ids()
+    if len(flat) > MAX_BLOCKS:
+        raise ParamsError(f"invalid kv_transfer_params: more than {MAX_BLOCKS} remote blocks")
+    if len(set(flat)) != len(flat):
         raise ParamsError("invalid kv_transfer_params: remote_block_ids has duplicates")
+    if len(groups) > 1 and 0 in flat:
+        raise ParamsError(
+            "invalid kv_transfer_params: remote_block_ids names block 0, the null block of a "
+            "hybrid pool"
+        )
     if remote.tp_size % tp_size and tp_size % remote.tp_size:
         raise ParamsError(
             f"kv_transfer_params has tp_size={remote.tp_size}, but this instance runs "
@@ -207,14 +272,20 @@ def decode_params(
     request_id: str,
     host: str,
     port: int,
-    block_ids: list[int],
+    block_ids: list[int] | list[list[int]],
     num_tokens: int,
     cached_tokens: int,
     signer: ParamsSigner | None = None,
     tp_size: int = 1,
 ) -> dict[str, Any]:
     """The params a prefill instance returns for the decode instance (vLLM's field names),
-    signed when ``signer`` is given."""
+    signed when ``signer`` is given. ``block_ids``: a flat list (one KV cache group) or one
+    list per group (hybrid)."""
+    grouped = [list(g) for g in block_ids if isinstance(g, list)]
+    flat = (
+        [b for g in grouped for b in g] if grouped else [b for b in block_ids if isinstance(b, int)]
+    )
+    sizes = tuple(len(g) for g in grouped) if len(grouped) > 1 else ()
     params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -222,14 +293,14 @@ def decode_params(
         "remote_request_id": request_id,
         "remote_host": host,
         "remote_port": port,
-        "remote_block_ids": list(block_ids),
+        "remote_block_ids": grouped if len(grouped) > 1 else flat,
         "remote_num_tokens": num_tokens,
         "tp_size": tp_size,
         "remote_prefill_cached_tokens": cached_tokens,
     }
     if signer is not None:
         fields = SignedFields(
-            engine_id, request_id, host, port, list(block_ids), num_tokens, tp_size, cached_tokens
+            engine_id, request_id, host, port, flat, num_tokens, tp_size, cached_tokens, sizes
         )
         params["kv_signature"] = signer.sign(fields)
     return params

@@ -227,7 +227,7 @@ class Reader:
             ReadDone(remote.engine_id, remote.request_id, self.engine_id)
         )
         leg.posted = time.monotonic()
-        remote_ids = spec.remote_block_ids[spec.first_block :]
+        remote_ids = spec.remote_ids_to_read()
         rank, tp = self.peers.rank, self.peers.tp_size
         if remote.tp_size == tp:
             leg.handle, _ = self.transport.read(peer, spec.local_block_ids, remote_ids, notif)

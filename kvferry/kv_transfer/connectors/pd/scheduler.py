@@ -42,6 +42,7 @@ from kvferry.kv_transfer.connectors.pd.params import (
     check_prompt,
     check_signature,
     decode_params,
+    first_sent_block,
     parse_remote,
     request_side,
     token_digest,
@@ -91,6 +92,10 @@ class PDConnectorScheduler(SchedulerHalf):
         self.engine_id = engine_id
         self.signer = auth.params if auth is not None else None
         self.block_size = kv_cache_config.block_size
+        # Per KV cache group its sliding window (None: full attention); one entry but for
+        # hybrid engines, whose null block never travels.
+        self.windows = tuple(g.sliding_window for g in kv_cache_config.groups)
+        self.null_block = kv_cache_config.null_block_id
         parallel = getattr(config, "parallel_config", None)  # tests may pass a partial config
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1))
         host, port = side_channel_address(config, opts, rank=0)
@@ -133,7 +138,7 @@ class PDConnectorScheduler(SchedulerHalf):
 
     def checked(self, params: dict[str, Any]) -> RemoteParams:
         """A decode request's params, type-, range- and (with a secret) signature-checked."""
-        remote = parse_remote(params, self.block_size, self.tp_size)
+        remote = parse_remote(params, self.block_size, self.tp_size, self.windows)
         check_signature(remote, self.signer)
         return remote
 
@@ -201,20 +206,51 @@ class PDConnectorScheduler(SchedulerHalf):
             self._recv.append(RecvSpec(rid, None, [], [], 0, "", error=str(remote)))
             return
         first = (request.num_tokens - num_external_tokens) // self.block_size
-        table = blocks.get_block_ids()[0]
-        local = table[first : len(remote.remote_block_ids)]
         n = remote.remote_num_tokens
+        mapped = self._map_blocks(blocks.get_block_ids(), remote, first)
+        if isinstance(mapped, str):
+            self._recv.append(RecvSpec(rid, None, [], [], 0, "", error=mapped))
+            return
+        local, read = mapped
         self._recv.append(
             RecvSpec(
                 req_id=rid,
                 remote=_ref(remote),
-                remote_block_ids=list(remote.remote_block_ids),
-                local_block_ids=list(local),
+                remote_block_ids=remote.flat_block_ids(),
+                local_block_ids=local,
                 num_tokens=n,
                 token_digest=token_digest(request.prompt_token_ids, n),
                 first_block=first,
+                read_block_ids=read if len(self.windows) > 1 else None,
             )
         )
+
+    def _map_blocks(
+        self, tables: tuple[list[int], ...] | list[list[int]], remote: RemoteParams, first: int
+    ) -> tuple[list[int], list[int]] | str:
+        """(local blocks, remote blocks) to read, paired, group after group: every block
+        from ``first`` (the local prefix hit) to the prompt's end that the local table holds
+        (a sliding group's blocks outside the window are null blocks there). A message
+        instead when the prefill instance did not send a block the local table needs."""
+        n = remote.remote_num_tokens
+        num_blocks = -(-n // self.block_size)
+        local: list[int] = []
+        read: list[int] = []
+        for g, (table, window) in enumerate(zip(tables, self.windows, strict=True)):
+            sent = remote.remote_block_ids[g]
+            start = first_sent_block(n, self.block_size, window)
+            for pos in range(first, min(num_blocks, len(table))):
+                block = table[pos]
+                if block == self.null_block and window is not None:
+                    continue
+                if pos < start:
+                    return (
+                        f"kv_transfer_params: the prefill instance sent KV cache group {g} "
+                        f"from block {start} on, but this instance needs block {pos}"
+                    )
+                local.append(block)
+                read.append(sent[pos - start])
+        return local, read
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput | None = None
@@ -232,6 +268,11 @@ class PDConnectorScheduler(SchedulerHalf):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._waiting.pop(rid, None)
         self._remote.pop(rid, None)
@@ -240,7 +281,8 @@ class PDConnectorScheduler(SchedulerHalf):
         side = self._side(request)
         # A decode request holding no blocks (the server's release path, one never admitted)
         # ends only once the prefill side answered its release: a truthful "released".
-        if side is Side.DECODE and not consumed and self._release_unread(request, not block_ids):
+        no_blocks = not any(block_ids)
+        if side is Side.DECODE and not consumed and self._release_unread(request, no_blocks):
             return True, None
         if side is not Side.PREFILL or request.status not in _HOLD_STATUSES:
             return False, None
@@ -250,12 +292,11 @@ class PDConnectorScheduler(SchedulerHalf):
             )
             return False, None
         n = request.num_prompt_tokens
-        nb = -(-n // self.block_size)
-        if len(block_ids) < nb or request.num_computed_tokens < n:
-            logger.warning("%s: %s finished without the KV of its whole prompt", self.label, rid)
+        held = self._held_blocks(request, block_ids)
+        if held is None:
             return False, None
-        held = list(block_ids[:nb])
-        self._send.append(SendSpec(rid, held, n, token_digest(request.prompt_token_ids, n)))
+        flat = [b for group in held for b in group]
+        self._send.append(SendSpec(rid, flat, n, token_digest(request.prompt_token_ids, n)))
         stats = request.prefill_stats
         host, port = self.address
         params = decode_params(
@@ -263,7 +304,7 @@ class PDConnectorScheduler(SchedulerHalf):
             request_id=rid,
             host=host,
             port=port,
-            block_ids=held,
+            block_ids=held if len(held) > 1 else flat,
             num_tokens=n,
             cached_tokens=stats.num_cached_tokens if stats is not None else 0,
             signer=self.signer,
@@ -271,6 +312,43 @@ class PDConnectorScheduler(SchedulerHalf):
         )
         # Family-specific fields beside the signed ones (never read back as trusted).
         return True, {**self.extra_params(request, host, port), **params}
+
+    def _held_blocks(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> list[list[int]] | None:
+        """Per group the blocks a decode instance reads (a sliding group: only those in the
+        window of the last prompt token), or None (logged) when the request no longer has
+        them all."""
+        rid, n = request.request_id, request.num_prompt_tokens
+        num_blocks = -(-n // self.block_size)
+        if len(block_ids) != len(self.windows):
+            logger.error(
+                "%s: %s finished with %d KV cache groups, expected %d",
+                self.label,
+                rid,
+                len(block_ids),
+                len(self.windows),
+            )
+            return None
+        held: list[list[int]] = []
+        for table, window in zip(block_ids, self.windows, strict=True):
+            group = list(table[first_sent_block(n, self.block_size, window) : num_blocks])
+            if len(table) < num_blocks or request.num_computed_tokens < n:
+                logger.warning(
+                    "%s: %s finished without the KV of its whole prompt", self.label, rid
+                )
+                return None
+            if window is not None and self.null_block in group:
+                # Decode steps here moved the window past the prompt's last token.
+                logger.warning(
+                    "%s: %s finished after its sliding window left the prompt's end; its KV "
+                    "is not offered to a decode instance",
+                    self.label,
+                    rid,
+                )
+                return None
+            held.append(group)
+        return held
 
     def extra_params(self, request: Request, host: str, port: int) -> dict[str, Any]:
         """Fields a family adds to the params it returns (vLLM's names for that connector);
@@ -290,7 +368,7 @@ class PDConnectorScheduler(SchedulerHalf):
             )
             return False
         rid = request.request_id if wait else None
-        self._releases.append(ReleaseSpec(_ref(remote), list(remote.remote_block_ids), rid))
+        self._releases.append(ReleaseSpec(_ref(remote), remote.flat_block_ids(), rid))
         return wait
 
     def has_pending_work(self) -> bool:

@@ -42,7 +42,9 @@ class KVLayout:
 
     @staticmethod
     def of_caches(kv_caches: dict[str, torch.Tensor]) -> KVLayout:
-        tensors = list(kv_caches.values())
+        # Layers of a hybrid model's groups share tensors (a block belongs to one group at
+        # a time): each tensor is one region, registered once.
+        tensors = list({t.data_ptr(): t for t in kv_caches.values()}.values())
         if not tensors:
             raise ValueError("P/D connector: no KV cache tensors to register")
         first = tensors[0]

@@ -80,7 +80,8 @@ def test_parse_remote_rejects_forgeries(change, msg):
 
 def test_parse_remote_and_digest():
     remote = parse_remote(GOOD, block_size=16)
-    assert remote.remote_block_ids == [7, 8, 9] and remote.remote_num_tokens == 40
+    assert remote.flat_block_ids() == [7, 8, 9] and remote.remote_num_tokens == 40
+    assert remote.remote_block_ids == [[7, 8, 9]] and remote.group_sizes() == ()
     ids = list(range(100))
     assert token_digest(ids, 40) == token_digest(ids[:40] + [5], 40) != token_digest(ids, 41)
 
