@@ -13,7 +13,7 @@ import pytest
 from kvferry import LLM
 from tests.e2e.test_pd_nixl_e2e import _nixl, monkeypatch_module  # noqa: F401 (fixture)
 from tests.helpers.pd_requests import check_pd_request, prompt_ids
-from tests.helpers.servers import ready, start_proxy, start_server, stop, wait_listening
+from tests.helpers.servers import pd_serving
 
 WINDOW = 32
 ARGS = ["--max-model-len", "1024", "--max-num-batched-tokens", "128"]  # chunked prefill
@@ -28,18 +28,8 @@ def model(tiny_model_factory):
 def pd(model, tmp_path_factory, monkeypatch_module):  # noqa: F811
     monkeypatch_module.setenv("UCX_NET_DEVICES", "lo")
     logs = tmp_path_factory.mktemp("pd-nixl-hybrid")
-    p = start_server("prefill", model, logs, _nixl(15201), *ARGS)
-    d = start_server("decode", model, logs, _nixl(15301), *ARGS)
-    procs = [p, d]
-    try:
-        p_url, d_url = wait_listening(p), wait_listening(d)
-        procs.append(start_proxy("proxy", logs, [p_url], [d_url]))
-        ready(*procs)
-        yield {i.name: i for i in procs}
-    finally:
-        stop(procs)
-        for inst in procs:
-            assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
+    with pd_serving(model, logs, _nixl(15201), _nixl(15301), *ARGS) as instances:
+        yield instances
 
 
 @pytest.fixture(scope="module")
