@@ -11,14 +11,7 @@ import pytest
 
 from kvferry import LLM
 from tests.helpers.pd_requests import check_pd_request, prompt_ids
-from tests.helpers.servers import (
-    metric,
-    ready,
-    start_proxy,
-    start_server,
-    stop,
-    wait_listening,
-)
+from tests.helpers.servers import metric, pd_serving
 
 LONG = ["--max-model-len", "4096", "--max-num-batched-tokens", "2048"]
 
@@ -37,18 +30,8 @@ def pd(tiny_model_factory, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("UCX_NET_DEVICES", "lo")
     logs = tmp_path_factory.mktemp("pd-nixl")
     model = tiny_model_factory("llama")
-    p = start_server("prefill", model, logs, _nixl(15001), *LONG)
-    d = start_server("decode", model, logs, _nixl(15101), *LONG)
-    procs = [p, d]
-    try:
-        p_url, d_url = wait_listening(p), wait_listening(d)
-        procs.append(start_proxy("proxy", logs, [p_url], [d_url]))
-        ready(*procs)
-        yield {i.name: i for i in procs}
-    finally:
-        stop(procs)
-        for inst in procs:
-            assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
+    with pd_serving(model, logs, _nixl(15001), _nixl(15101), *LONG) as instances:
+        yield instances
 
 
 @pytest.fixture(scope="module")

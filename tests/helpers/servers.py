@@ -61,6 +61,27 @@ def serving(
         assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
 
 
+@contextlib.contextmanager
+def pd_serving(
+    model: Path, log_dir: Path, prefill_kv: dict[str, Any], decode_kv: dict[str, Any], *extra: str
+) -> Iterator[dict[str, Instance]]:
+    """A ready prefill and decode ``kvferry serve`` behind ``kvferry proxy``, by name
+    (``prefill``, ``decode``, ``proxy``), stopped on exit; no log may hold a traceback."""
+    procs = [
+        start_server("prefill", model, log_dir, prefill_kv, *extra),
+        start_server("decode", model, log_dir, decode_kv, *extra),
+    ]
+    try:
+        p_url, d_url = (wait_listening(i) for i in procs)
+        procs.append(start_proxy("proxy", log_dir, [p_url], [d_url]))
+        ready(*procs)
+        yield {i.name: i for i in procs}
+    finally:
+        stop(procs)
+        for inst in procs:
+            assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
+
+
 def start_proxy(name: str, log_dir: Path, prefill: list[str], decode: list[str]) -> Instance:
     argv = ["proxy", "--port", "0", "--prefill", *prefill, "--decode", *decode]
     return start(name, argv, log_dir, env=_env())

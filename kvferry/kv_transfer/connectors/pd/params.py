@@ -228,6 +228,13 @@ def parse_remote(
             "invalid kv_transfer_params: remote_block_ids names block 0, the null block of a "
             "hybrid pool"
         )
+    if len(groups) > 1 and remote.tp_size != tp_size:
+        # Untested across TP sizes with several groups: refused rather than trusted.
+        raise ParamsError(
+            f"kv_transfer_params has tp_size={remote.tp_size}, but this instance runs "
+            f"tensor_parallel_size={tp_size}; P/D of a hybrid model (several KV cache groups) "
+            f"needs equal tensor-parallel sizes"
+        )
     if remote.tp_size % tp_size and tp_size % remote.tp_size:
         raise ParamsError(
             f"kv_transfer_params has tp_size={remote.tp_size}, but this instance runs "

@@ -141,6 +141,11 @@ def test_malformed_per_group_params_are_refused(ids, msg):
         parse_remote({**GOOD, "remote_block_ids": ids}, BS, windows=(None, WINDOW))
 
 
+def test_hybrid_across_tp_sizes_is_refused():
+    with pytest.raises(ParamsError, match="hybrid model .* equal tensor-parallel sizes"):
+        parse_remote({**GOOD, "tp_size": 2}, BS, tp_size=1, windows=(None, WINDOW))
+
+
 def test_malformed_per_group_params_fail_only_their_own_request():
     sched = _sched("eng-D")
     bad = create_request(40, max_tokens=2)
