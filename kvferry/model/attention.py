@@ -44,9 +44,9 @@ class Attention(nn.Module):
     ``forward(q, k, v)`` takes the flattened tokens of the whole step — ``q`` of shape
     ``[num_tokens, num_heads * head_dim]`` (or ``[num_tokens, num_heads, head_dim]``), ``k``/``v``
     likewise with ``num_kv_heads`` — already projected and rotated, and returns
-    ``[num_tokens, num_heads * head_dim]``. It reads the active forward context: the step's
-    :class:`AttentionMetadata`, this layer's cache ``ctx.kv_caches[layer_name]`` and the
-    runner's :class:`~kvferry.model.attention_workspace.AttentionWorkspace` (scratch memory
+    ``[num_tokens, num_heads * head_dim]``. It reads the active forward context: this layer's
+    :class:`AttentionMetadata` (``ctx.metadata_for``), its cache ``ctx.kv_caches[layer_name]``
+    and the runner's :class:`~kvferry.model.attention_workspace.AttentionWorkspace` (scratch memory
     and the device's decode kernel).
 
     With no metadata (a warm-up or profiling run) the batch is treated as one causal sequence

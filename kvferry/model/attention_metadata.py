@@ -1,4 +1,5 @@
-"""Per-step attention metadata, built once per step and shared by every attention layer.
+"""Per-step attention metadata, built once per step and KV cache group and shared by the
+group's attention layers.
 
 Beyond the vLLM-style fields (slot mapping, block table, query/sequence lengths) the builder
 precomputes an execution plan, so each layer only runs tensor ops:
@@ -141,15 +142,20 @@ class AttentionMetadata:
     """What attention layers need for one step of a flattened, mixed batch.
 
     Requests are in batch order; request ``i`` owns flat rows
-    ``query_start_loc[i] .. query_start_loc[i + 1] - 1``, which hold its tokens at positions
-    ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+    ``query_start_loc_list[i] .. query_start_loc_list[i + 1] - 1``, which hold its tokens at
+    positions ``seq_lens_list[i] - query_lens[i] .. seq_lens_list[i] - 1``.
+
+    The fields connectors written for vLLM read have vLLM's names and types:
+    ``num_actual_tokens``, ``max_query_len``, ``max_seq_len`` (ints), ``slot_mapping``,
+    ``block_table``, and ``query_start_loc`` / ``seq_lens`` (int32 tensors on the device,
+    made on first read: attention itself reads the plans).
     """
 
     num_reqs: int
     num_actual_tokens: int
-    query_start_loc: list[int]
+    query_start_loc_list: list[int]
     query_lens: list[int]
-    seq_lens: list[int]
+    seq_lens_list: list[int]
     # [num_tokens] long, where each new token's K/V goes: block_id * block_size + offset.
     slot_mapping: torch.Tensor
     # [num_reqs, max_blocks] long, padded with 0.
@@ -159,6 +165,19 @@ class AttentionMetadata:
     max_seq_len: int
     decodes: list[DecodePlan]
     prefills: list[PrefillPlan]
+
+    @functools.cached_property
+    def query_start_loc(self) -> torch.Tensor:
+        """vLLM's ``[num_reqs + 1]`` int32 offsets of each request's first flat row."""
+        return self._int32(self.query_start_loc_list)
+
+    @functools.cached_property
+    def seq_lens(self) -> torch.Tensor:
+        """vLLM's ``[num_reqs]`` int32 sequence lengths, this step's tokens included."""
+        return self._int32(self.seq_lens_list)
+
+    def _int32(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(self.slot_mapping.device)
 
 
 def build_attention_metadata(
@@ -211,9 +230,9 @@ def build_attention_metadata(
     return AttentionMetadata(
         num_reqs=num_reqs,
         num_actual_tokens=num_tokens,
-        query_start_loc=starts,
+        query_start_loc_list=starts,
         query_lens=list(query_lens),
-        seq_lens=list(seq_lens),
+        seq_lens_list=list(seq_lens),
         slot_mapping=slots.to(device),
         block_table=block_table_cpu.to(device),
         block_size=block_size,

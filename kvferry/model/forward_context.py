@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -37,8 +37,10 @@ class LayerKVHooks(Protocol):
 
 @dataclass
 class ForwardContext:
-    # None on a step without tokens (the connector's no-forward path).
-    attn_metadata: AttentionMetadata | None
+    # vLLM's shape: attention layer name -> the metadata that layer reads this step, one object
+    # per KV cache group shared by the group's layers (see ``layer_metadata``); None on a step
+    # without tokens (the connector's no-forward path).
+    attn_metadata: dict[str, AttentionMetadata] | None
     # layer name -> that layer's paged KV cache, shape (2, num_blocks, block_size, kv_heads, head_dim)
     kv_caches: dict[str, torch.Tensor]
     # The worker-side KV connector, or None. Attention layers call its per-layer hooks only
@@ -51,18 +53,42 @@ class ForwardContext:
     # Set before the forward by whoever wants intermediate hidden states (a connector's
     # start_load_kv); the decoder loop records into it.
     hidden_states_capture: HiddenStatesCapture | None = None
-    # Hybrid KV cache groups: layer name -> the metadata built from its group's block tables.
-    # Layers not listed (every layer, with one group) use ``attn_metadata``.
-    layer_attn_metadata: dict[str, AttentionMetadata] = field(default_factory=dict)
 
     def metadata_for(self, layer_name: str) -> AttentionMetadata | None:
-        """The attention metadata layer ``layer_name`` reads this step."""
-        return self.layer_attn_metadata.get(layer_name, self.attn_metadata)
+        """The attention metadata layer ``layer_name`` reads this step; None on a step without
+        tokens. Raises ``KeyError`` naming the layer when the step has none for it."""
+        if self.attn_metadata is None:
+            return None
+        meta = self.attn_metadata.get(layer_name)
+        if meta is None:
+            raise KeyError(f"the forward context has no attention metadata for {layer_name!r}")
+        return meta
 
     @functools.cached_property
     def no_compile_layers(self) -> dict[str, AttentionLayerKV]:
         """vLLM's name for the model's attention layers: layer name -> its ``kv_cache``."""
         return {name: AttentionLayerKV(name, kv) for name, kv in self.kv_caches.items()}
+
+    @functools.cached_property
+    def slot_mapping(self) -> dict[str, torch.Tensor]:
+        """vLLM's per-layer slot mappings: layer name -> where its new tokens' K/V go."""
+        if self.attn_metadata is None:
+            return {}
+        return {name: meta.slot_mapping for name, meta in self.attn_metadata.items()}
+
+
+def layer_metadata(
+    default: AttentionMetadata,
+    layer_names: Iterable[str],
+    groups: Iterable[tuple[Iterable[str], AttentionMetadata]] = (),
+) -> dict[str, AttentionMetadata]:
+    """``ForwardContext.attn_metadata`` for one step: every layer of ``layer_names`` reads
+    ``default`` unless one of ``groups`` (its layers, their KV cache group's metadata) lists
+    it. References only: a few microseconds per step for a deep model."""
+    per_layer = dict.fromkeys(layer_names, default)
+    for names, meta in groups:
+        per_layer.update(dict.fromkeys(names, meta))
+    return per_layer
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """``vllm.forward_context``: kvferry's ``ForwardContext`` and ``get_forward_context``.
 
 The context passed to ``start_load_kv`` is the one ``get_forward_context()`` returns during
-the forward. ``no_compile_layers`` maps each attention layer's name to an object whose
-``kv_cache`` is that layer's paged KV tensor; ``attn_metadata`` is the step's one
-``AttentionMetadata``, shared by every layer (vLLM keeps a dict per layer), or None on a step
-without tokens.
+the forward. As in vLLM, ``attn_metadata`` maps every attention layer's name to the
+``AttentionMetadata`` it reads this step (one object per KV cache group), or is None on a step
+without tokens; ``slot_mapping`` maps each layer's name to its metadata's slot mapping, and
+``no_compile_layers`` each attention layer's name to an object whose ``kv_cache`` is that
+layer's paged KV tensor.
 """
 
 from kvferry.model.forward_context import (

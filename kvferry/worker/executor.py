@@ -19,6 +19,7 @@ from kvferry.kv_transfer.aggregator import KVOutputAggregator
 from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
 from kvferry.step_types.runner_output import ModelRunnerOutput
 from kvferry.step_types.scheduler_output import SchedulerOutput
+from kvferry.worker.combine import combine, merge_handshakes
 from kvferry.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -51,19 +52,10 @@ class UniProcExecutor:
 
     def get_kv_connector_handshake_metadata(self) -> dict[int, KVConnectorHandshakeMetadata]:
         """Every worker's connector handshake data, by rank (empty when none has any)."""
-        merged: dict[int, KVConnectorHandshakeMetadata] = {}
-        for w in self.workers:
-            merged.update(w.get_kv_connector_handshake_metadata() or {})
-        return merged
+        return merge_handshakes(w.get_kv_connector_handshake_metadata() for w in self.workers)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        outputs = [w.execute_model(scheduler_output) for w in self.workers]
-        result = outputs[0]
-        if self.aggregator is not None:
-            result.kv_connector_output = self.aggregator.aggregate(
-                [o.kv_connector_output for o in outputs]
-            )
-        return result
+        return combine([w.execute_model(scheduler_output) for w in self.workers], self.aggregator)
 
     def collective_rpc(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Any]:
         """``fn(worker, *args)`` on every worker; the results in rank order."""

@@ -20,7 +20,7 @@ import torch
 
 from kvferry.model.attention_metadata import build_attention_metadata
 from kvferry.model.attention_workspace import AttentionWorkspace
-from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.model.forward_context import ForwardContext, layer_metadata, set_forward_context
 from kvferry.model.long_tensor import long_tensor
 from kvferry.model.sampler import Sampler, SamplingRow
 from kvferry.sampling_params import SamplingParams
@@ -185,11 +185,14 @@ class ModelRunner:
             for g in range(max(1, len(self.layer_groups)))
         ]
         connector = driver.connector if driver is not None else None
-        ctx = ForwardContext(
-            group_metadata[0], self.kv_caches, connector, attn_workspace=self.attn_workspace
+        per_layer = layer_metadata(
+            group_metadata[0],
+            self.kv_caches,
+            zip(self.layer_groups[1:], group_metadata[1:], strict=True),
         )
-        for names, meta in zip(self.layer_groups[1:], group_metadata[1:], strict=True):
-            ctx.layer_attn_metadata.update(dict.fromkeys(names, meta))
+        ctx = ForwardContext(
+            per_layer, self.kv_caches, connector, attn_workspace=self.attn_workspace
+        )
         kv_output = None
         with set_forward_context(ctx):
             if driver is None:

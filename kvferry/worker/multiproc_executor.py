@@ -38,6 +38,7 @@ from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
 from kvferry.logger import fmt_fields, init_logger
 from kvferry.step_types.runner_output import ModelRunnerOutput
 from kvferry.step_types.scheduler_output import SchedulerOutput
+from kvferry.worker.combine import combine, merge_handshakes
 from kvferry.worker.tp_worker_proc import ReadyInfo, WorkerProcArgs, worker_main
 
 logger = init_logger(__name__)
@@ -125,19 +126,11 @@ class MultiprocExecutor:
 
     def get_kv_connector_handshake_metadata(self) -> dict[int, KVConnectorHandshakeMetadata]:
         """Every rank's connector handshake data, by rank (empty when none has any)."""
-        merged: dict[int, KVConnectorHandshakeMetadata] = {}
-        for info in self._infos:
-            merged.update(info.handshake or {})
-        return merged
+        return merge_handshakes(info.handshake for info in self._infos)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         outputs: list[ModelRunnerOutput] = self._broadcast(("step", scheduler_output), "step")
-        result = outputs[0]
-        if self.aggregator is not None:
-            result.kv_connector_output = self.aggregator.aggregate(
-                [o.kv_connector_output for o in outputs]
-            )
-        return result
+        return combine(outputs, self.aggregator)
 
     def collective_rpc(self, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[Any]:
         """``fn(worker, *args)`` on every rank (``fn`` must be picklable by reference, i.e. a

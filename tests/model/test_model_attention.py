@@ -116,7 +116,7 @@ class Scenario:
                 decode_kernel=kernel, decode_gather_bytes=DECODE_GATHER_BYTES
             )
         ctx = ForwardContext(
-            self.meta, {name: self.cache}, kv_connector=connector, attn_workspace=workspace
+            {name: self.meta}, {name: self.cache}, kv_connector=connector, attn_workspace=workspace
         )
         with set_forward_context(ctx):
             return attn(*self.inputs())
@@ -235,7 +235,7 @@ def test_connector_without_metadata_is_not_called() -> None:
 def test_metadata_fields() -> None:
     meta = build_attention_metadata([3, 1, 2], [3, 9, 6], [[7], [4, 2, 9], [5, 1]], 4, CPU)
     assert meta.num_reqs == 3 and meta.num_actual_tokens == 6
-    assert meta.query_start_loc == [0, 3, 4, 6]
+    assert meta.query_start_loc_list == [0, 3, 4, 6]
     assert meta.max_query_len == 3 and meta.max_seq_len == 9
     # request 0: positions 0..2 in block 7; request 1: position 8 -> block 9 offset 0;
     # request 2: positions 4, 5 -> block 1 offsets 0, 1.

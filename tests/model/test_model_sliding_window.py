@@ -13,7 +13,7 @@ import torch
 
 from kvferry.config import ArchConfig, ConfigError
 from kvferry.model.attention_metadata import build_attention_metadata
-from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.model.forward_context import ForwardContext, layer_metadata, set_forward_context
 from kvferry.model.llama import CausalLM
 from tests.model.test_model_vs_hf import PagedRunner, hf_logits, load, prompt
 
@@ -156,8 +156,8 @@ class HybridRunner:
         ]
         full = build_attention_metadata([n], [end], [self.blocks], BLOCK, inner.device)
         slide = build_attention_metadata([n], [end], [sliding_table], BLOCK, inner.device)
-        ctx = ForwardContext(full, inner.kv_caches, attn_workspace=inner.workspace)
-        ctx.layer_attn_metadata = dict.fromkeys(self.sliding, slide)
+        per_layer = layer_metadata(full, inner.kv_caches, [(self.sliding, slide)])
+        ctx = ForwardContext(per_layer, inner.kv_caches, attn_workspace=inner.workspace)
         with torch.inference_mode(), set_forward_context(ctx):
             hidden = self.model(torch.tensor(ids[start:end]), torch.arange(start, end))
             logits = self.model.compute_logits(hidden)

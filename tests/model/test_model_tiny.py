@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from kvferry.config import ModelConfig
 from kvferry.data import corpus_text
 from kvferry.model.attention_metadata import build_attention_metadata
-from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.model.forward_context import ForwardContext, layer_metadata, set_forward_context
 from kvferry.model.loader import load_model
 from kvferry.model.tiny import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, make_tiny_model
 
@@ -86,7 +86,7 @@ def greedy(folder: Path, ids: list[int], steps: int) -> list[int]:
         for _ in range(steps):
             seq = len(tokens)
             meta = build_attention_metadata([len(new)], [seq], [table], 16, torch.device("cpu"))
-            with set_forward_context(ForwardContext(meta, caches)):
+            with set_forward_context(ForwardContext(layer_metadata(meta, caches), caches)):
                 hidden = model(torch.tensor(new), torch.arange(seq - len(new), seq))
             nxt = int(model.compute_logits(hidden[-1:]).argmax())
             tokens.append(nxt)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from kvferry.config import ModelConfig
 from kvferry.model.attention_metadata import build_attention_metadata
 from kvferry.model.attention_workspace import AttentionWorkspace
-from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.model.forward_context import ForwardContext, layer_metadata, set_forward_context
 from kvferry.model.llama import CausalLM
 from kvferry.model.loader import load_model
 from kvferry.worker.cpu_backend import CPUBackend
@@ -122,7 +122,9 @@ class PagedRunner:
             tables.append(self.blocks[req])
             self.computed[req] = end
         meta = build_attention_metadata(qlens, slens, tables, BLOCK_SIZE, self.device)
-        ctx = ForwardContext(meta, self.kv_caches, attn_workspace=self.workspace)
+        ctx = ForwardContext(
+            layer_metadata(meta, self.kv_caches), self.kv_caches, attn_workspace=self.workspace
+        )
         with torch.inference_mode(), set_forward_context(ctx):
             hidden = self.model(
                 torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device)

@@ -12,7 +12,7 @@ import torch
 
 from kvferry import LLM, SamplingParams
 from kvferry.model.attention_metadata import build_attention_metadata
-from kvferry.model.forward_context import ForwardContext, set_forward_context
+from kvferry.model.forward_context import ForwardContext, layer_metadata, set_forward_context
 from kvferry.model.long_tensor import long_tensor
 
 # Each case exercises another sharding path: an odd vocabulary (the last vocab shard padded),
@@ -52,7 +52,9 @@ def _prefill_logits(worker: Any, ids: list[int]) -> torch.Tensor:
         device=worker.device,
         group_decodes=runner.attn_workspace.decode_kernel is None,
     )
-    ctx = ForwardContext(meta, pool, None, attn_workspace=runner.attn_workspace)
+    ctx = ForwardContext(
+        layer_metadata(meta, pool), pool, None, attn_workspace=runner.attn_workspace
+    )
     with torch.inference_mode(), set_forward_context(ctx):
         hidden = runner.model(
             long_tensor(ids, worker.device), long_tensor(range(len(ids)), worker.device)

@@ -137,18 +137,28 @@ class VllmProbeConnector(KVConnectorBase_V1):
         )
         return KVConnectorMetadata()
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         attn = forward_context.attn_metadata
+        layers = forward_context.no_compile_layers
         _see(
             "start_load",
             is_context=isinstance(forward_context, ForwardContext),
             is_current=forward_context is get_forward_context(),
-            attn_is_metadata=attn is None or isinstance(attn, AttentionMetadata),
+            attn_is_dict=attn is None or isinstance(attn, dict),
+            attn_layers=None if attn is None else sorted(attn),
+            all_metadata=attn is None
+            or all(isinstance(m, AttentionMetadata) for m in attn.values()),
+            slot_mapping_per_layer=attn is None
+            or all(forward_context.slot_mapping[n] is m.slot_mapping for n, m in attn.items()),
             has_attn=attn is not None,
-            layers={
-                n: tuple(layer.kv_cache.shape)
-                for n, layer in forward_context.no_compile_layers.items()
-            },
+            layers={n: tuple(layer.kv_cache.shape) for n, layer in layers.items()},
+            layer_names_match=all(layer.layer_name == n for n, layer in layers.items()),
+            registered_tensors=all(
+                layer.kv_cache is self._kv_caches[n] for n, layer in layers.items()
+            ),
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -161,11 +171,19 @@ class VllmProbeConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
+        m = attn_metadata
         _see(
             "save",
             layer_name=layer_name,
-            is_metadata=isinstance(attn_metadata, AttentionMetadata),
-            slot_mapping=attn_metadata.slot_mapping.tolist(),
+            is_metadata=isinstance(m, AttentionMetadata),
+            from_context=get_forward_context().attn_metadata[layer_name] is m,
+            slot_mapping=m.slot_mapping.tolist(),
+            query_start_loc=(m.query_start_loc.dtype, m.query_start_loc.tolist()),
+            seq_lens=(m.seq_lens.dtype, m.seq_lens.tolist()),
+            block_table=m.block_table.tolist(),
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
             kv_shape=tuple(kv_layer.shape),
         )
 

@@ -153,14 +153,28 @@ def test_forward_context_attention_and_output(probe):
     loads = [s for s in seen["start_load"] if s["has_attn"]]
     assert loads
     for s in seen["start_load"]:
-        assert s["is_context"] and s["is_current"] and s["attn_is_metadata"]
+        assert s["is_context"] and s["is_current"] and s["attn_is_dict"]
+        assert s["all_metadata"] and s["slot_mapping_per_layer"]
         assert s["layers"] == {name: shape for name in kvc.layer_names}
+        assert s["layer_names_match"] and s["registered_tensors"]
+    # vLLM's per-layer dict: every attention layer, on a step with tokens; None without.
+    assert all(s["attn_layers"] == sorted(kvc.layer_names) for s in loads)
+    assert all(s["attn_layers"] is None for s in seen["start_load"] if not s["has_attn"])
     saves = seen["save"]
     assert {s["layer_name"] for s in saves} == set(kvc.layer_names)
-    assert all(s["is_metadata"] and s["kv_shape"] == shape for s in saves)
+    assert all(s["is_metadata"] and s["from_context"] and s["kv_shape"] == shape for s in saves)
     table = seen["alloc"][0]["block_ids"][0]
     first = [s for s in saves if len(s["slot_mapping"]) == len(PROMPT)][0]
     assert first["slot_mapping"] == [table[t // 16] * 16 + t % 16 for t in range(len(PROMPT))]
+    n = len(PROMPT)
+    assert first["query_start_loc"] == (torch.int32, [0, n])
+    assert first["seq_lens"] == (torch.int32, [n])
+    assert first["block_table"] == [table]
+    assert (first["num_actual_tokens"], first["max_query_len"], first["max_seq_len"]) == (n, n, n)
+    decode = [s for s in saves if s["slot_mapping"] == [table[n // 16] * 16 + n % 16]][0]
+    assert decode["query_start_loc"] == (torch.int32, [0, 1])
+    assert decode["seq_lens"] == (torch.int32, [n + 1])
+    assert (decode["num_actual_tokens"], decode["max_query_len"]) == (1, 1)
     for o in seen["output"]:
         assert o["is_output"]
         # Nothing was transferred; every field is there with its empty value.

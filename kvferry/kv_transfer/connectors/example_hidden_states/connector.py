@@ -82,6 +82,8 @@ class ExampleHiddenStatesConnector(
                     config.model_config.torch_dtype,
                     kv_cache_config.num_blocks,
                     block_size,
+                    # Any layer of the group: they share its metadata (its slot mapping).
+                    slots_layer=kv_cache_config.groups[self._group].layer_names[0],
                     is_writer=_tensor_parallel_rank() == 0,
                     owner=name,
                 )

@@ -75,12 +75,15 @@ class HiddenStatesWorker(WorkerHalf):
         dtype: torch.dtype,
         num_blocks: int,
         block_size: int,
+        slots_layer: str,
         is_writer: bool,
         owner: str,
     ) -> None:
         self.opts = opts
         self.layer_ids = layer_ids
         self.block_size = block_size
+        # A layer of the KV cache group whose block ids index the buffer.
+        self.slots_layer = slots_layer
         self.is_writer = is_writer
         self.owner = owner
         self._shape = (num_blocks * block_size, len(layer_ids), hidden_size)
@@ -112,7 +115,7 @@ class HiddenStatesWorker(WorkerHalf):
                 self._lock_fds[req_id] = take_write_lock(filename)
 
     def start_load_kv(self, metadata: KVConnectorMetadata, forward_context: ForwardContext) -> None:
-        attn = forward_context.attn_metadata
+        attn = forward_context.metadata_for(self.slots_layer)
         if not self.is_writer or attn is None:
             return
         self._capture = HiddenStatesCapture(self.layer_ids)
