@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e import test_pd_nixl_e2e as nixl_e2e
-from tests.helpers.servers import ready, start_proxy, start_server, stop, wait_listening
+from tests.helpers.servers import pd_serving
 
 pytest.importorskip("mooncake.engine", reason="needs Mooncake's transfer engine (extra 'mooncake')")
 
@@ -35,15 +35,5 @@ def _mooncake() -> dict:
 def pd(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-mooncake")
     model = tiny_model_factory("llama")
-    p = start_server("prefill", model, logs, _mooncake(), *nixl_e2e.LONG)
-    d = start_server("decode", model, logs, _mooncake(), *nixl_e2e.LONG)
-    procs = [p, d]
-    try:
-        p_url, d_url = wait_listening(p), wait_listening(d)
-        procs.append(start_proxy("proxy", logs, [p_url], [d_url]))
-        ready(*procs)
-        yield {i.name: i for i in procs}
-    finally:
-        stop(procs)
-        for inst in procs:
-            assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
+    with pd_serving(model, logs, _mooncake(), _mooncake(), *nixl_e2e.LONG) as procs:
+        yield procs

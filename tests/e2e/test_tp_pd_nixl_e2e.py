@@ -13,13 +13,7 @@ import pytest
 from kvferry import LLM
 from tests.helpers.pd_auth import SECRET
 from tests.helpers.pd_requests import check_pd_request, prompt_ids
-from tests.helpers.servers import (
-    ready,
-    start_proxy,
-    start_server,
-    stop,
-    wait_listening,
-)
+from tests.helpers.servers import pd_serving
 
 LONG = ["--max-model-len", "1024", "--max-num-batched-tokens", "512", "--tensor-parallel-size", "2"]
 
@@ -52,18 +46,8 @@ def pd(request, tiny_model_factory, tmp_path_factory, monkeypatch_module):
         secret = logs / "secret"
         secret.write_bytes(SECRET.value)
     model = tiny_model_factory("llama")
-    p = start_server("prefill", model, logs, _nixl(15401, secret), *LONG)
-    d = start_server("decode", model, logs, _nixl(15501, secret), *LONG)
-    procs = [p, d]
-    try:
-        p_url, d_url = wait_listening(p), wait_listening(d)
-        procs.append(start_proxy("proxy", logs, [p_url], [d_url]))
-        ready(*procs)
-        yield {i.name: i for i in procs}
-    finally:
-        stop(procs)
-        for inst in procs:
-            assert "Traceback" not in inst.log.read_text(), inst.log.read_text()[-3000:]
+    with pd_serving(model, logs, _nixl(15401, secret), _nixl(15501, secret), *LONG) as procs:
+        yield procs
 
 
 @pytest.fixture(scope="module")

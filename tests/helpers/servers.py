@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +63,20 @@ def serving(
 
 @contextlib.contextmanager
 def pd_serving(
-    model: Path, log_dir: Path, prefill_kv: dict[str, Any], decode_kv: dict[str, Any], *extra: str
+    model: Path,
+    log_dir: Path,
+    prefill_kv: dict[str, Any],
+    decode_kv: dict[str, Any],
+    *extra: str,
+    prefill_extra: Sequence[str] = (),
+    decode_extra: Sequence[str] = (),
 ) -> Iterator[dict[str, Instance]]:
     """A ready prefill and decode ``kvferry serve`` behind ``kvferry proxy``, by name
-    (``prefill``, ``decode``, ``proxy``), stopped on exit; no log may hold a traceback."""
+    (``prefill``, ``decode``, ``proxy``), stopped on exit; no log may hold a traceback.
+    ``extra`` flags go to both servers, ``prefill_extra`` / ``decode_extra`` to one."""
     procs = [
-        start_server("prefill", model, log_dir, prefill_kv, *extra),
-        start_server("decode", model, log_dir, decode_kv, *extra),
+        start_server("prefill", model, log_dir, prefill_kv, *extra, *prefill_extra),
+        start_server("decode", model, log_dir, decode_kv, *extra, *decode_extra),
     ]
     try:
         p_url, d_url = (wait_listening(i) for i in procs)
