@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvferry.config import ConfigError
+from kvferry.kv_layout import KVCacheLayout, layout_of
 from kvferry.kv_transfer.base import KVConnectorStats
 from kvferry.kv_transfer.connectors.lmcache_mp.lmcache_api import (
     lmcache_api,
@@ -80,6 +81,12 @@ class LMCacheMPWorker(WorkerHalf):
                 raise ConfigError(
                     f"{self._owner}: layer {name} has KV shape {tuple(t.shape)}; LMCache "
                     f"transfers the (2, blocks, {self._block_size}, heads, head_dim) layout"
+                )
+            if t.shape[3] > 1 and layout_of(t) is not KVCacheLayout.NHD:
+                raise ConfigError(
+                    f"{self._owner}: layer {name}'s KV is not in the NHD memory order (the KV "
+                    "pool is HND: a connector or KVFERRY_KV_CACHE_LAYOUT asked for it); kvferry "
+                    "hands LMCache NHD caches only"
                 )
         try:
             self.adapter.register_kv_caches(kv_caches, layout_hints={"kv_layout": KV_LAYOUT})
