@@ -2,7 +2,7 @@
 server and runs the step's retrieves and stores through LMCache's worker adapter.
 
 kvferry's per-layer KV tensors are ``(2, num_blocks, block_size, num_kv_heads, head_dim)``,
-the layout LMCache calls ``NHD`` (vLLM's flash-attention layout). On a CPU engine LMCache's
+the layout LMCache calls ``NHD`` (vLLM's flash-attention layout); an HND pool is refused. On a CPU engine LMCache's
 adapter copies blocks itself (engine-driven transfer): a store gathers the blocks into the
 server's buffers (POSIX shared memory when the server has ``--shm-name``) and commits them,
 a retrieve scatters the server's buffers into the blocks; both finish inside the call, and
