@@ -1,9 +1,10 @@
 """Block copies between per-layer KV tensors, and the engine's copy op built on them.
 
 Tensors are per layer ``(2, num_blocks, block_size, num_kv_heads, head_dim)``, the engine's
-layout; the block dimension is 1. Copies work on the keys half and the values half of each
-layer separately: each is a contiguous ``(num_blocks, ...)`` tensor, so a run of adjacent
-block ids on both sides is one ``memcpy``. Host-to-host copies use the C row-copy kernel (one
+shape; the block dimension is 1. Copies work on the keys half and the values half of each
+layer separately: in either KV layout (NHD, HND; see :mod:`kvferry.kv_layout`) each is a
+contiguous ``(num_blocks, ...)`` run in memory order, so a run of adjacent block ids on both
+sides is one ``memcpy``. Sides in different layouts are copied element by element by torch. Host-to-host copies use the C row-copy kernel (one
 call for every half of a job, as a call per half costs as much as the bytes of a small job),
 or numpy where it cannot be built; copies to or from a device go through one indexed copy
 per half.
@@ -25,6 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kvferry.kv_layout import layout_of, physical
 from kvferry.native.block_copy import RowCopyPlan, load_block_copy
 
 # Pairs whose ids are adjacent on both sides for at least this many blocks are copied as a
@@ -110,13 +112,17 @@ class BlockCopier:
         dst_layers: Sequence[torch.Tensor],
         pool: CopyPool | None = None,
     ) -> None:
-        self.halves = [
-            (s[k], d[k])
-            for s, d in zip(src_layers, dst_layers, strict=True)
-            for k in range(s.shape[0])
-        ]
+        pairs = list(zip(src_layers, dst_layers, strict=True))
+        # Sides dense in one layout (NHD or HND) copy blocks as bytes, in memory order; sides
+        # in different layouts copy element by element through torch, which follows strides.
+        self.same_layout = all(
+            (layout := layout_of(s)) is not None and layout_of(d) is layout for s, d in pairs
+        )
+        if self.same_layout:
+            pairs = [(physical(s), physical(d)) for s, d in pairs]
+        self.halves = [(s[k], d[k]) for s, d in pairs for k in range(s.shape[0])]
         self.bytes_per_block = sum(s[0].numel() * s.element_size() for s, _ in self.halves)
-        self.on_host = all(
+        self.on_host = self.same_layout and all(
             s.device.type == "cpu" and d.device.type == "cpu" for s, d in self.halves
         )
         devices = [t.device for pair in self.halves for t in pair if t.device.type == "cuda"]

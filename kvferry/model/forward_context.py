@@ -42,6 +42,7 @@ class ForwardContext:
     # without tokens (the connector's no-forward path).
     attn_metadata: dict[str, AttentionMetadata] | None
     # layer name -> that layer's paged KV cache, shape (2, num_blocks, block_size, kv_heads, head_dim)
+    # with the strides of the pool's layout (kvferry.kv_layout)
     kv_caches: dict[str, torch.Tensor]
     # The worker-side KV connector, or None. Attention layers call its per-layer hooks only
     # when it has metadata bound for this step.

@@ -12,6 +12,7 @@ import torch
 
 from kvferry import LLM, SamplingParams
 from kvferry.config import ConfigError
+from kvferry.kv_layout import KVCacheLayout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SIMPLE = "SimpleCPUOffloadConnector"
@@ -171,3 +172,21 @@ def test_bad_configs_fail_clearly(model_dir) -> None:
         _llm(model_dir, _kv(SIMPLE, num_cpu_blocks=8), enable_prefix_caching=False)
     with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config .*valid options"):
         _llm(model_dir, _kv(OFFLOAD, num_cpu_chunks=8, cpu_gb=3))
+
+
+def test_host_and_disk_tiers_under_the_hnd_layout(model_dir, reference, tmp_path, monkeypatch):
+    """Blocks move as bytes in memory order; the disk folder names the layout, so an NHD
+    engine never reads an HND engine's files."""
+    monkeypatch.setenv("KVFERRY_KV_CACHE_LAYOUT", "HND")
+    kv = _kv(OFFLOAD, num_cpu_chunks=4, disk_path=str(tmp_path), offload_prompt_only=False)
+    llm = _llm(model_dir, kv)
+    assert llm.engine.kv_cache_config.layout is KVCacheLayout.HND
+    tokens, external = multi_turn(llm)
+    assert tokens == reference["multi_turn"] and external > 0
+    drain_and_check(llm)
+    again = _llm(model_dir, kv)
+    tokens, _ = multi_turn(again)
+    assert tokens == reference["multi_turn"]
+    assert drain_and_check(again)["hit_tokens_disk"] >= 5 * 64
+    folders = [p.name for p in tmp_path.iterdir()]
+    assert folders and all("-hnd-" in name for name in folders)

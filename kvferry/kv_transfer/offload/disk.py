@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from kvferry.kv_layout import KVCacheLayout
 from kvferry.kv_transfer.offload.bounded_read import BoundedReader, ReadTimeout
 from kvferry.logger import init_logger
 
@@ -109,13 +110,17 @@ def layout_fingerprint(
     blocks_per_chunk: int,
     disk_key: bytes | None = None,
     hash_algo: str = "kvferry",
+    kv_layout: KVCacheLayout = KVCacheLayout.NHD,
 ) -> str:
     """Folder name for one model, KV layout, key and block hash algorithm: readable prefix plus
-    a 16-byte digest (kvferry's own algorithm adds nothing, so its folders keep their names)."""
+    a 16-byte digest (kvferry's own algorithm and the NHD memory order add nothing, so their
+    folders keep their names; an HND pool's block bytes are in another order)."""
     dt = str(dtype).removeprefix("torch.")
     desc = f"{num_layers}l-{num_kv_heads}x{head_dim}-{dt}-bs{block_size}-c{blocks_per_chunk}"
     if hash_algo != "kvferry":
         desc += f"-{hash_algo}"
+    if kv_layout is not KVCacheLayout.NHD:
+        desc += f"-{kv_layout.value.lower()}"
     material = f"{model_digest}/{desc}"
     if disk_key is not None:
         desc += "-keyed"

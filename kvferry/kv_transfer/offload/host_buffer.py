@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kvferry.kv_layout import empty_like_layout, physical
+
 
 class HostKVBuffer:
     def __init__(
@@ -23,8 +25,8 @@ class HostKVBuffer:
         self.num_blocks = num_blocks
         self.layers: dict[str, torch.Tensor] = {}
         for name, cache in kv_caches.items():
-            shape = (cache.shape[0], num_blocks, *cache.shape[2:])
-            self.layers[name] = torch.empty(shape, dtype=cache.dtype, pin_memory=pin_memory)
+            # In the engine's layout, so a block moves as one run of bytes.
+            self.layers[name] = empty_like_layout(cache, num_blocks, pin_memory)
         first = next(iter(kv_caches.values()))
         self.bytes_per_block = sum(c[:, 0].numel() * c.element_size() for c in kv_caches.values())
         self.dtype = first.dtype
@@ -34,4 +36,8 @@ class HostKVBuffer:
         order a chunk file stores them."""
         start, n = host_blocks[0], len(host_blocks)
         assert host_blocks == list(range(start, start + n)), "a chunk is consecutive blocks"
-        return [t[k, start : start + n] for t in self.layers.values() for k in range(t.shape[0])]
+        return [
+            physical(t)[k, start : start + n]
+            for t in self.layers.values()
+            for k in range(t.shape[0])
+        ]

@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import torch
 
+from kvferry.kv_layout import empty_like_layout, physical
 from kvferry.kv_transfer.base import CopyBlocksOp
 from kvferry.kv_transfer.copy_ops import KVBlockCopy
 from kvferry.kv_transfer.offload.disk import CorruptChunk, DiskStore
@@ -266,10 +267,7 @@ class TransferEngine:
         cached = self._stagings.get(which)
         if cached is not None and next(iter(cached.values())).shape[1] == num_blocks:
             return cached
-        buf = {
-            n: torch.empty((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype)
-            for n, t in self._engine_kv.items()
-        }
+        buf = {n: empty_like_layout(t, num_blocks) for n, t in self._engine_kv.items()}
         self._stagings[which] = buf
         return buf
 
@@ -338,5 +336,6 @@ class TransferEngine:
 
 
 def _halves(layers: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Per layer its keys then its values: the order a chunk file stores them."""
-    return [t[k] for t in layers.values() for k in range(t.shape[0])]
+    """Per layer its keys then its values, each contiguous in memory order: the order a
+    chunk file stores them."""
+    return [physical(t)[k] for t in layers.values() for k in range(t.shape[0])]

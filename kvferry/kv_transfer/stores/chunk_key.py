@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.kv_layout import KVCacheLayout
 from kvferry.kv_transfer.offload.disk import layout_fingerprint, model_fingerprint
 
 KEY_PREFIX = "kvferry"
@@ -36,6 +37,7 @@ class ChunkLayout:
     blocks_per_chunk: int
     hash_algo: str = "kvferry"
     world_size: int = 1
+    kv_layout: KVCacheLayout = KVCacheLayout.NHD
 
 
 def store_namespace(layout: ChunkLayout, value_key: bytes | None = None) -> str:
@@ -50,6 +52,7 @@ def store_namespace(layout: ChunkLayout, value_key: bytes | None = None) -> str:
         layout.blocks_per_chunk,
         value_key,
         layout.hash_algo,
+        layout.kv_layout,
     )
     if layout.world_size == 1:
         return base

@@ -3,7 +3,8 @@ kvferry's ``KVCacheConfig``.
 
 kvferry's models have one full-attention group, and hybrid ones a sliding-window group
 besides (``SlidingWindowSpec``); the ``i``-th layers of all groups share one tensor of shape
-``(2, num_blocks, block_size, num_kv_heads, head_size)``. The spec classes vLLM connectors
+``(2, num_blocks, block_size, num_kv_heads, head_size)`` (memory in NHD or HND order:
+``layout`` passes through to kvferry's config). The spec classes vLLM connectors
 test with ``isinstance`` exist; those kvferry never builds (Mamba, MLA) are there only so
 such checks answer False.
 """

@@ -2,7 +2,7 @@
 server and runs the step's retrieves and stores through LMCache's worker adapter.
 
 kvferry's per-layer KV tensors are ``(2, num_blocks, block_size, num_kv_heads, head_dim)``,
-the layout LMCache calls ``NHD`` (vLLM's flash-attention layout). On a CPU engine LMCache's
+the layout LMCache calls ``NHD`` (vLLM's flash-attention layout); an HND pool is refused. On a CPU engine LMCache's
 adapter copies blocks itself (engine-driven transfer): a store gathers the blocks into the
 server's buffers (POSIX shared memory when the server has ``--shm-name``) and commits them,
 a retrieve scatters the server's buffers into the blocks; both finish inside the call, and
@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvferry.config import ConfigError
+from kvferry.kv_layout import KVCacheLayout, layout_of
 from kvferry.kv_transfer.base import KVConnectorStats
 from kvferry.kv_transfer.connectors.lmcache_mp.lmcache_api import (
     lmcache_api,
@@ -80,6 +81,12 @@ class LMCacheMPWorker(WorkerHalf):
                 raise ConfigError(
                     f"{self._owner}: layer {name} has KV shape {tuple(t.shape)}; LMCache "
                     f"transfers the (2, blocks, {self._block_size}, heads, head_dim) layout"
+                )
+            if t.shape[3] > 1 and layout_of(t) is not KVCacheLayout.NHD:
+                raise ConfigError(
+                    f"{self._owner}: layer {name}'s KV is not in the NHD memory order (the KV "
+                    "pool is HND: a connector or KVFERRY_KV_CACHE_LAYOUT asked for it); kvferry "
+                    "hands LMCache NHD caches only"
                 )
         try:
             self.adapter.register_kv_caches(kv_caches, layout_hints={"kv_layout": KV_LAYOUT})

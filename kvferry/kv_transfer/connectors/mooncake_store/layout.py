@@ -70,6 +70,7 @@ def resolve_layout(
         blocks_per_chunk=opts.blocks_per_chunk,
         hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "kvferry")),
         world_size=world,
+        kv_layout=kv_cache_config.layout,
     )
     return StoreLayout(
         block_size=group.block_size,

@@ -16,6 +16,7 @@ import ctypes
 import numpy as np
 import torch
 
+from kvferry.kv_layout import physical
 from kvferry.native.block_copy import BlockCopyKernel, load_block_copy
 
 
@@ -28,8 +29,12 @@ class SlotCopier:
         payload_of: list[torch.Tensor],
     ) -> None:
         """``payload_ptrs[s]`` / ``payload_of[s]``: slot ``s``'s payload (after the header), as
-        an address and as a ``(layers, 2, blocks_per_chunk, ...)`` tensor view."""
-        self.kv = kv_caches
+        an address and as a ``(layers, 2, blocks_per_chunk, ...)`` tensor view, the inner
+        dimensions in the pool's memory order."""
+        # In memory order (NHD or HND): a block of a half is one run of bytes, and payloads
+        # hold blocks as those bytes on every path (the store namespace names the layout).
+        self.kv = [physical(t) for t in kv_caches]
+        kv_caches = self.kv
         self.bpc = blocks_per_chunk
         self.num_blocks = int(kv_caches[0].shape[1])
         self.payload_of = payload_of

@@ -32,6 +32,7 @@ from typing import Any, cast
 import torch
 
 from kvferry.config import ConfigError
+from kvferry.kv_layout import physical
 from kvferry.kv_transfer.connectors.mooncake_store.layout import StoreLayout
 from kvferry.kv_transfer.connectors.mooncake_store.metadata import (
     ChunkIO,
@@ -99,7 +100,7 @@ class StoreTransfers:
         self.base_ptr = int(self.staging.data_ptr())
         link.client.register_buffer(self.base_ptr, self.staging.numel())
         first = kv_caches[0]
-        self._shape = (2, layout.blocks_per_chunk, *first.shape[2:])
+        self._shape = (2, layout.blocks_per_chunk, *physical(first).shape[2:])
         self._dtype = first.dtype
         slots = range(2 * per_region)
         self.copier = SlotCopier(

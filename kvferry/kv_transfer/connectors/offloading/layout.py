@@ -98,6 +98,7 @@ def resolve_layout(
             b,
             key,
             facts.hash_algo,
+            kv_cache_config.layout,
         )
         # One folder per rank: each holds its own shard of the KV heads (the scheduler half,
         # in the engine process, is rank 0; it reads every rank's folder when restoring).

@@ -10,9 +10,11 @@ holding the KV heads ``[r * H / tp, (r + 1) * H / tp)`` of the model's H. With a
 * ``a > b``: decode rank r reads prefill ranks ``r * (a / b) ...`` (``a / b`` of them) and puts
   each one's heads next to the others'.
 
-A head range of a block is one contiguous piece per token (heads vary faster than tokens), so
-the bytes move as *pieces*: one (local address, remote address, length) per (layer, K|V,
-block, token), read straight into place. We chose that over reading whole remote blocks into
+A head range of a block is one contiguous piece per token in an NHD pool (heads vary faster
+than tokens), and one piece per block in an HND pool (each head's rows of a block are
+together; both sides share the layout, which the compatibility hash names), so the bytes move
+as *pieces*: one (local address, remote address, length) per (layer, K|V, block[, token]),
+read straight into place. We chose that over reading whole remote blocks into
 a staging area and copying the heads out: it needs no extra registered memory, no copy on the
 engine thread, and no staging capacity that a long prompt could exceed (and wait or fail
 on); the descriptors exist only per transfer (never one per token of the whole pool). The
@@ -60,21 +62,28 @@ class HeadSlice:
 def head_slice(
     rank: int, tp: int, source: int, remote_tp: int, local: KVLayout, remote: KVLayout
 ) -> HeadSlice:
-    local_tok = local.block_bytes // local.block_size
-    remote_tok = remote.block_bytes // remote.block_size
+    rows = _rows_per_block(local)
+    local_tok = local.block_bytes // rows
+    remote_tok = remote.block_bytes // rows
     if tp > remote_tp:  # our heads are a share of the source rank's
         return HeadSlice(0, (rank % (tp // remote_tp)) * local_tok, local_tok)
     k = remote_tp // tp  # the source rank's heads are a share of ours
     return HeadSlice((source - rank * k) * remote_tok, 0, remote_tok)
 
 
-def _addrs(layout: KVLayout, block_ids: list[int], offset: int) -> np.ndarray:
-    """Start address of every (layer, K|V, block, token) row of ``block_ids``, plus ``offset``."""
-    tok = layout.block_bytes // layout.block_size
+def _rows_per_block(local: KVLayout) -> int:
+    """The pieces a block's head range comes in: a token row each (NHD), or one (HND)."""
+    return 1 if local.heads_outer else local.block_size
+
+
+def _addrs(layout: KVLayout, block_ids: list[int], offset: int, rows: int) -> np.ndarray:
+    """Start address of every (layer, K|V, block, row) of ``block_ids``, plus ``offset``:
+    ``rows`` rows per block (its tokens, or the block as one row)."""
+    tok = layout.block_bytes // rows
     bases = np.array(layout.base_addrs, dtype=np.uint64)  # (L,)
     kv = np.arange(2, dtype=np.uint64) * np.uint64(layout.num_blocks * layout.block_bytes)
     blocks = np.asarray(block_ids, dtype=np.uint64) * np.uint64(layout.block_bytes)
-    toks = np.arange(layout.block_size, dtype=np.uint64) * np.uint64(tok)
+    toks = np.arange(rows, dtype=np.uint64) * np.uint64(tok)
     out = (
         bases[:, None, None, None]
         + kv[None, :, None, None]
@@ -92,13 +101,13 @@ def pieces(
     sl: HeadSlice,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(local addresses, remote addresses, piece length) of a head-sliced READ, one piece per
-    (layer, K|V, block, token), the same order on both sides."""
+    (layer, K|V, block, token) (HND: per (layer, K|V, block)), the same order on both sides."""
     if len(local_ids) != len(remote_ids) or not local_ids:
         raise ValueError("a READ needs as many local as remote blocks, at least one")
     if local.block_size != remote.block_size or local.num_layers != remote.num_layers:
         raise ValueError("the two pools differ in block size or layer count")
     return (
-        _addrs(local, local_ids, sl.local_off),
-        _addrs(remote, remote_ids, sl.remote_off),
+        _addrs(local, local_ids, sl.local_off, _rows_per_block(local)),
+        _addrs(remote, remote_ids, sl.remote_off, _rows_per_block(local)),
         sl.length,
     )

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from kvferry.kv_layout import layout_of
+
 if TYPE_CHECKING:
     from kvferry.kv_transfer.connectors.pd.messages import AgentInfo
 
@@ -39,6 +41,9 @@ class KVLayout:
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int
     base_addrs: tuple[int, ...]
+    # HND pool: inside a block each head's rows are together. A peer's layout is ours (the
+    # compatibility hash names it), so a peer's KVLayout leaves it at the default.
+    heads_outer: bool = False
 
     @staticmethod
     def of_caches(kv_caches: dict[str, torch.Tensor]) -> KVLayout:
@@ -51,8 +56,10 @@ class KVLayout:
         for t in tensors:
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
                 raise ValueError("P/D connector: all KV cache layers must share shape and dtype")
-            if not t.is_contiguous() or t.dim() != 5 or t.shape[0] != 2:
-                raise ValueError("P/D connector: KV caches must be contiguous (2, N, B, H, D)")
+            if layout_of(t) is None or t.shape[0] != 2:
+                raise ValueError(
+                    "P/D connector: KV caches must be (2, N, B, H, D) dense in NHD or HND order"
+                )
         block_bytes = first[0, 0].numel() * first.element_size()
         dev = first.get_device()
         return KVLayout(
@@ -62,6 +69,9 @@ class KVLayout:
             mem_type="VRAM" if dev >= 0 else "DRAM",
             device_id=max(dev, 0),
             base_addrs=tuple(t.data_ptr() for t in tensors),
+            # By the strides, which keep the head stride of an HND pool with one head per rank
+            # (whose block is dense in either order, but not its peer's of more heads).
+            heads_outer=first.shape[2] > 1 and first.stride(3) == first.shape[2] * first.shape[4],
         )
 
     @staticmethod

@@ -5,10 +5,12 @@ with memmove between real tensors), multi-reader holds, and the params' TP check
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
 
+from kvferry.kv_layout import KVCacheLayout
 from kvferry.kv_transfer.connectors.pd import handshake as hs
 from kvferry.kv_transfer.connectors.pd.lease import LeaseTable
 from kvferry.kv_transfer.connectors.pd.params import ParamsError, parse_remote
@@ -38,35 +40,48 @@ def test_source_ranks_and_readers() -> None:
     assert remote_block_bytes(64, 2, 1) == 128 and remote_block_bytes(64, 1, 2) == 32
 
 
-def _pools(tp: int, full: list[torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
-    """Each rank's KV pool: its share of the heads of ``full`` (zeros when None)."""
+def _pools(
+    tp: int, full: list[torch.Tensor] | None, layout: KVCacheLayout = KVCacheLayout.NHD
+) -> list[dict[str, torch.Tensor]]:
+    """Each rank's KV pool in ``layout``: its share of the heads of ``full`` (zeros when
+    None)."""
     n = H // tp
     out = []
     for r in range(tp):
         caches = {}
         for layer in range(L):
-            if full is None:
-                t = torch.zeros(2, NB, BS, n, D)
-            else:
-                t = full[layer][:, :, :, r * n : (r + 1) * n, :].contiguous()
+            t = layout.allocate((2, NB, BS, n, D), torch.float32, torch.device("cpu"), _zeros)
+            if full is not None:
+                t.copy_(full[layer][:, :, :, r * n : (r + 1) * n, :])
             caches[f"l{layer}"] = t
         out.append(caches)
     return out
 
 
-@pytest.mark.parametrize(("a", "b"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)])
-def test_pieces_put_every_head_in_place(a: int, b: int) -> None:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+@pytest.mark.parametrize(
+    ("a", "b"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 8), (8, 2)]
+)
+def test_pieces_put_every_head_in_place(a: int, b: int, layout: KVCacheLayout) -> None:
     torch.manual_seed(0)
     full = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
-    prefill, decode = _pools(a, full), _pools(b, None)
+    prefill, decode = _pools(a, full, layout), _pools(b, None, layout)
     remote_ids, local_ids = [4, 1, 2], [0, 5, 3]
     for r in range(b):
         local = KVLayout.of_caches(decode[r])
+        assert local.heads_outer == (layout is KVCacheLayout.HND)  # also with one head
         for s in source_ranks(r, b, a):
+            # As a handshake builds it: the peer's layout is ours (the compatibility hash).
             remote = KVLayout.of_caches(prefill[s])
+            remote = dataclasses.replace(remote, heads_outer=False)
             assert remote.block_bytes == remote_block_bytes(local.block_bytes, b, a)
             sl = head_slice(r, b, s, a, local, remote)
             dst, src, n = pieces(local, remote, local_ids, remote_ids, sl)
+            assert len(dst) == L * 2 * len(local_ids) * (1 if local.heads_outer else BS)
             for d_addr, s_addr in zip(dst, src, strict=True):
                 ctypes.memmove(int(d_addr), int(s_addr), n)
     n = H // b
