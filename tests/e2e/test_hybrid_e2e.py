@@ -117,14 +117,23 @@ def _example(path: Path) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": str(path)}}  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_example_connector_hits_are_token_identical(
-    model_dir: Path, prompts: list[list[int]], expected: list[list[int]], tmp_path: Path
+    model_dir: Path,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    layout: str,
 ) -> None:
     """A fresh engine loads the stored prefixes (a sliding layer's file holds only its
-    window's blocks) and generates exactly what a run without a connector does."""
+    window's blocks) and generates exactly what a run without a connector does, in either
+    KV layout (the groups' layers share HND tensors too)."""
+    monkeypatch.setenv("KVFERRY_KV_CACHE_LAYOUT", layout)
     kv = _example(tmp_path / "kv")
     first = _llm(model_dir, kv_transfer_config=kv, num_kv_blocks=120)
     try:
+        assert first.engine.kv_cache_config.layout.value == layout
         got, outs = _generate(first, prompts)
         assert got == expected
         assert all(o.metrics.num_external_cached_tokens == 0 for o in outs)
