@@ -3,7 +3,8 @@ with TP=b (1 -> 2 and 2 -> 1) with NixlConnector (real NIXL/UCX on loopback) beh
 ``kvferry proxy``. Each decode rank reads its KV heads from the prefill ranks that hold them
 (head-sliced pieces); answers are token-identical to one offline TP=1 instance (fp32), and the
 prefill instance's pool is empty again afterwards (with TP=1 -> 2 one prefill rank's hold
-ends only once both decode ranks read it)."""
+ends only once both decode ranks read it). Both KV layouts: with HND the pieces are whole
+per-block head ranges."""
 
 from __future__ import annotations
 
@@ -32,11 +33,17 @@ def monkeypatch_module():
     mp.undo()
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+@pytest.fixture(
+    scope="module",
+    # HND: both instances' pools heads-outside-tokens, so a head slice is one piece per block.
+    params=[(1, 2, "NHD"), (2, 1, "NHD"), (1, 2, "HND"), (2, 1, "HND")],
+    ids=["tp1-to-tp2", "tp2-to-tp1", "tp1-to-tp2-hnd", "tp2-to-tp1-hnd"],
+)
 def pd(request, tiny_model_factory, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("UCX_NET_DEVICES", "lo")
-    a, b = request.param
-    logs = tmp_path_factory.mktemp(f"pd-nixl-tp{a}-tp{b}")
+    a, b, layout = request.param
+    monkeypatch_module.setenv("KVFERRY_KV_CACHE_LAYOUT", layout)  # the servers inherit it
+    logs = tmp_path_factory.mktemp(f"pd-nixl-tp{a}-tp{b}-{layout}")
     model = tiny_model_factory("llama")
     tp = "--tensor-parallel-size"
     with pd_serving(

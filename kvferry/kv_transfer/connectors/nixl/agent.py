@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvferry.kv_layout import physical
 from kvferry.kv_transfer.connectors.pd.handshake import AgentInfo, ProtocolError
 from kvferry.kv_transfer.connectors.pd.transport import KVLayout
 
@@ -166,7 +167,8 @@ class NixlTransport:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> KVLayout:
         layout = KVLayout.of_caches(kv_caches)
         # One region per distinct tensor (a hybrid model's groups share them, see KVLayout).
-        unique = list({t.data_ptr(): t for t in kv_caches.values()}.values())
+        # In memory order: NIXL registers contiguous tensors (an HND pool's permuted view is not).
+        unique = list({t.data_ptr(): physical(t) for t in kv_caches.values()}.values())
         self._reg = self.agent.register_memory(unique)
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", layout.descs(), layout.mem_type)
         self.layout = layout
