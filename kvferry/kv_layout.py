@@ -66,6 +66,8 @@ def layout_of(kv_cache: torch.Tensor) -> KVCacheLayout | None:
     copy with odd strides)."""
     if kv_cache.dim() != 5:
         return None
+    if kv_cache.is_contiguous():  # NHD, without a permuted view (attention asks every step)
+        return KVCacheLayout.NHD
     for layout in KVCacheLayout:
         if physical(kv_cache, layout).is_contiguous():
             return layout

@@ -4,8 +4,8 @@ Tensors are per layer ``(2, num_blocks, block_size, num_kv_heads, head_dim)``, t
 shape; the block dimension is 1. Copies work on the keys half and the values half of each
 layer separately: in either KV layout (NHD, HND; see :mod:`kvferry.kv_layout`) each is a
 contiguous ``(num_blocks, ...)`` run in memory order, so a run of adjacent block ids on both
-sides is one ``memcpy``. Sides in different layouts are copied element by element by torch. Host-to-host copies use the C row-copy kernel (one
-call for every half of a job, as a call per half costs as much as the bytes of a small job),
+sides is one ``memcpy``. Sides in different layouts are copied element by element by torch.
+Host-to-host copies use the C row-copy kernel (one call for every half of a job, as a call per half costs as much as the bytes of a small job),
 or numpy where it cannot be built; copies to or from a device go through one indexed copy
 per half.
 

@@ -1,9 +1,9 @@
 """Paged attention over the engine's KV pool, with the KV connector's per-layer hooks.
 
 Each layer's cache has shape ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (index 0
-keys, 1 values), its memory in either layout of :mod:`kvferry.kv_layout`. A forward writes the step's new K/V at ``slot_mapping`` and then attends
-following the plan in :class:`~kvferry.model.attention_metadata.AttentionMetadata`. Only
-device-agnostic torch ops are used, so the same code runs on CPU and CUDA, except for the
+keys, 1 values), its memory in either layout of :mod:`kvferry.kv_layout`. A forward writes
+the step's new K/V at ``slot_mapping`` and then attends following the plan in
+:class:`~kvferry.model.attention_metadata.AttentionMetadata`. Only device-agnostic torch ops are used, so the same code runs on CPU and CUDA, except for the
 decode and prefill kernels that the runner's workspace may offer.
 """
 
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.kv_layout import KVCacheLayout, layout_of
 from kvferry.model.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
 from kvferry.model.attention_workspace import AttentionWorkspace, GatherBuffers
 from kvferry.model.forward_context import get_forward_context
@@ -28,7 +29,7 @@ def _gather_blocks(
     per_block = block_size * kv_heads * head_dim
     n = block_ids.numel()
     out = buffers.get(2 * n * per_block, kv_cache.device, kv_cache.dtype).view(2, n, per_block)
-    nhd = kv_cache.stride(2) == kv_heads * head_dim
+    nhd = layout_of(kv_cache) is KVCacheLayout.NHD
     # In memory order, where each block is one run of per_block elements.
     blocks = (kv_cache if nhd else kv_cache.transpose(2, 3)).view(2, num_blocks, per_block)
     torch.index_select(blocks, 1, block_ids, out=out)
@@ -113,7 +114,7 @@ class Attention(nn.Module):
     def _write(
         kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        if kv_cache.stride(2) == kv_cache.shape[3] * kv_cache.shape[4]:  # NHD
+        if layout_of(kv_cache) is KVCacheLayout.NHD:
             flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # (2, num_slots, kv_heads, d)
             flat[0].index_copy_(0, slots, k)
             flat[1].index_copy_(0, slots, v)
