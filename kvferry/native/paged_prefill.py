@@ -36,22 +36,24 @@ class PagedPrefillKernel(PagedKVKernel):
     reading keys and values straight from the pool's blocks: no gather, no mask, and key
     tiles past a query's position are never computed. The chunk's own K/V must already be in
     the pool. :meth:`supports` says whether a layer can use it (CPU, fp32 or bf16, contiguous
-    cache, head_dim a multiple of 16, at most :attr:`MAX_GROUP` query heads per kv head);
+    cache, head_dim a multiple of 16, at most :attr:`max_group` query heads per kv head: 16
+    where the kernel is built for AVX2, 64 for AVX-512);
     :meth:`__call__` returns ``[q_len, num_heads, head_dim]``.
     """
 
-    # Query heads per kv head that one work item can stack (ROWS in the C source).
-    MAX_GROUP = 64
-
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__(lib, "kvf_paged_prefill", _ARGTYPES)
+        # Query heads per kv head that one work item can stack (ROWS in the C source: one
+        # tile of registers, so it depends on the vector width the kernel was built for).
+        lib.kvf_paged_prefill_rows.restype = ctypes.c_int
+        self.max_group = int(lib.kvf_paged_prefill_rows())
 
     def supports(self, kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
         return (
             super().supports(kv_cache, q)
             and kv_cache.shape[-1] % 16 == 0
             and q.dim() == 3
-            and q.shape[1] // kv_cache.shape[3] <= self.MAX_GROUP
+            and q.shape[1] // kv_cache.shape[3] <= self.max_group
         )
 
     def __call__(

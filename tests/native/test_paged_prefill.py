@@ -39,7 +39,8 @@ def _reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(16, 4, 64, 16), (4, 4, 32, 16), (8, 1, 64, 4), (6, 2, 128, 32)],
+    # (16, 1, ...): a group of 16 fills a whole tile with one query's heads on AVX2
+    [(16, 4, 64, 16), (4, 4, 32, 16), (8, 1, 64, 4), (6, 2, 128, 32), (16, 1, 64, 16)],
 )
 @pytest.mark.parametrize(
     ("ctx", "q_len"),
@@ -86,3 +87,8 @@ def test_supports() -> None:
     assert not kernel.supports(cache, torch.zeros(3, 8, 64, dtype=torch.bfloat16))
     assert not kernel.supports(torch.zeros(2, 4, 16, 2, 24), torch.zeros(3, 8, 24))
     assert not kernel.supports(cache.to(torch.float16), torch.zeros(3, 8, 64).half())
+    # The query heads of one kv head share a tile of registers: 16 (AVX2) or 64 (AVX-512).
+    assert kernel.max_group in (16, 64)
+    one_kv_head = torch.zeros(2, 4, 16, 1, 64)
+    assert kernel.supports(one_kv_head, torch.zeros(3, kernel.max_group, 64))
+    assert not kernel.supports(one_kv_head, torch.zeros(3, kernel.max_group + 1, 64))

@@ -35,12 +35,20 @@
 #include <string.h>
 
 typedef uint16_t bf16_t;
-typedef float vf __attribute__((vector_size(64)));   /* 16 floats: one row vector chunk */
-typedef int32_t vi __attribute__((vector_size(64)));
+/* A row vector is one machine register: with 16 registers of 8 floats (AVX2) an item of
+ * 4 x 4 16-float vectors spills its accumulators on every FMA and runs >10x slower. */
+#ifdef __AVX512F__
+#define VW 16 /* floats per row vector */
+#define RV 4  /* row vectors per item */
+#else
+#define VW 8
+#define RV 2
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 #define KT 16        /* keys per tile */
-#define RV 4         /* row vectors per item */
-#define ROWS (16 * RV)
+#define ROWS (VW * RV)
 #define KB 4         /* keys (or value dims) per register block */
 #define NEG (-1e30f) /* finite: -ffast-math assumes no infinities */
 
@@ -112,22 +120,22 @@ static void scores_tile(const float *restrict qt, const float *const *restrict k
         vf a[KB][RV] = {{{0}}};
         for (int64_t i = 0; i < d; i++) {
             vf q[RV];
-            for (int v = 0; v < RV; v++) q[v] = vload(qt + i * ROWS + 16 * v);
+            for (int v = 0; v < RV; v++) q[v] = vload(qt + i * ROWS + VW * v);
             for (int b = 0; b < KB; b++) {
                 const float kb = k[j + b][i];
                 for (int v = 0; v < RV; v++) a[b][v] += kb * q[v];
             }
         }
         for (int b = 0; b < KB; b++)
-            for (int v = 0; v < RV; v++) vstore(s + (j + b) * ROWS + 16 * v, a[b][v]);
+            for (int v = 0; v < RV; v++) vstore(s + (j + b) * ROWS + VW * v, a[b][v]);
     }
     for (; j < n; j++) {
         vf a[RV] = {{0}};
         for (int64_t i = 0; i < d; i++) {
             const float kb = k[j][i];
-            for (int v = 0; v < RV; v++) a[v] += kb * vload(qt + i * ROWS + 16 * v);
+            for (int v = 0; v < RV; v++) a[v] += kb * vload(qt + i * ROWS + VW * v);
         }
-        for (int v = 0; v < RV; v++) vstore(s + j * ROWS + 16 * v, a[v]);
+        for (int v = 0; v < RV; v++) vstore(s + j * ROWS + VW * v, a[v]);
     }
 }
 
@@ -135,20 +143,20 @@ static void scores_tile(const float *restrict qt, const float *const *restrict k
 static void values_tile(const float *restrict p, const float *const *restrict val, int64_t n,
                         int64_t d, const float *restrict alpha, float *restrict ot) {
     vf al[RV];
-    for (int v = 0; v < RV; v++) al[v] = vload(alpha + 16 * v);
+    for (int v = 0; v < RV; v++) al[v] = vload(alpha + VW * v);
     for (int64_t e = 0; e < d; e += KB) {
         vf a[KB][RV];
         for (int b = 0; b < KB; b++)
-            for (int v = 0; v < RV; v++) a[b][v] = vload(ot + (e + b) * ROWS + 16 * v) * al[v];
+            for (int v = 0; v < RV; v++) a[b][v] = vload(ot + (e + b) * ROWS + VW * v) * al[v];
         for (int64_t j = 0; j < n; j++) {
             vf pj[RV];
-            for (int v = 0; v < RV; v++) pj[v] = vload(p + j * ROWS + 16 * v);
+            for (int v = 0; v < RV; v++) pj[v] = vload(p + j * ROWS + VW * v);
             const float *vj = val[j] + e;
             for (int b = 0; b < KB; b++)
                 for (int v = 0; v < RV; v++) a[b][v] += vj[b] * pj[v];
         }
         for (int b = 0; b < KB; b++)
-            for (int v = 0; v < RV; v++) vstore(ot + (e + b) * ROWS + 16 * v, a[b][v]);
+            for (int v = 0; v < RV; v++) vstore(ot + (e + b) * ROWS + VW * v, a[b][v]);
     }
 }
 
@@ -171,23 +179,23 @@ static void softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t
         }
     }
     for (int v = 0; v < RV; v++) {
-        vf mo = vload(m + 16 * v), mx = mo;
-        for (int64_t j = 0; j < n; j++) mx = vmax(mx, vload(s + j * ROWS + 16 * v));
+        vf mo = vload(m + VW * v), mx = mo;
+        for (int64_t j = 0; j < n; j++) mx = vmax(mx, vload(s + j * ROWS + VW * v));
         vf z = {0};
         for (int64_t j = 0; j < n; j++) {
-            vf pj = vexp(vload(s + j * ROWS + 16 * v) - mx);
-            vstore(s + j * ROWS + 16 * v, pj);
+            vf pj = vexp(vload(s + j * ROWS + VW * v) - mx);
+            vstore(s + j * ROWS + VW * v, pj);
         }
         if (edge && window > 0) {
             for (int64_t j = 0; j < n; j++)
-                for (int r = 16 * v; r < 16 * v + 16; r++)
+                for (int r = VW * v; r < VW * v + VW; r++)
                     if (masked_key(t0 + j, lim[r], window)) s[j * ROWS + r] = 0.0f;
         }
-        for (int64_t j = 0; j < n; j++) z += vload(s + j * ROWS + 16 * v);
+        for (int64_t j = 0; j < n; j++) z += vload(s + j * ROWS + VW * v);
         vf a = vexp(mo - mx);
-        vstore(alpha + 16 * v, a);
-        vstore(m + 16 * v, mx);
-        vstore(l + 16 * v, vload(l + 16 * v) * a + z);
+        vstore(alpha + VW * v, a);
+        vstore(m + VW * v, mx);
+        vstore(l + VW * v, vload(l + VW * v) * a + z);
     }
 }
 
@@ -200,6 +208,9 @@ typedef struct {
     float *kb, *vb;       /* [KT][d] widened key and value tiles (bf16 only) */
     int32_t *lim;         /* [ROWS] last key position each row may see */
 } scratch_t;
+
+/* Query heads one work item can stack: the most a kv head may have. */
+int kvf_paged_prefill_rows(void) { return ROWS; }
 
 #define DEFINE_PREFILL(NAME, T, TO_F32, FROM_F32)                                             \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
