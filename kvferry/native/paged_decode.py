@@ -11,15 +11,6 @@ from kvferry.native.build import load_library
 from kvferry.native.paged_kv import PagedKVKernel
 
 _ARGTYPES: list[Any] = [
-    ctypes.c_void_p,  # q
-    ctypes.c_int64,  # q row stride (elements)
-    ctypes.c_void_p,  # cache
-    ctypes.c_int64,  # num_blocks
-    ctypes.c_int64,  # block_size
-    ctypes.c_int64,  # num_kv_heads
-    ctypes.c_int64,  # head_dim
-    ctypes.c_int64,  # token stride inside a block (elements)
-    ctypes.c_int64,  # kv head stride inside a block (elements)
     ctypes.c_void_p,  # block table
     ctypes.c_int64,  # block table row stride
     ctypes.c_void_p,  # lens
@@ -27,8 +18,6 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,  # group (query heads per kv head)
     ctypes.c_float,  # scale
     ctypes.c_int64,  # sliding window (0: none)
-    ctypes.c_void_p,  # out
-    ctypes.c_int,  # threads
 ]
 
 
@@ -40,7 +29,7 @@ class PagedDecodeKernel(PagedKVKernel):
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        super().__init__(lib, "kvf_paged_decode", _ARGTYPES)
+        super().__init__(lib, "kvf_paged_decode", _ARGTYPES, "paged decode attention")
 
     def __call__(
         self,
@@ -56,36 +45,20 @@ class PagedDecodeKernel(PagedKVKernel):
         ``block_table``: ``[num_reqs, >= ceil(len / block_size)]`` int64, rows contiguous;
         ``seq_lens``: ``[num_reqs]`` int64, each >= 1. ``window``: a sliding window, the
         query sees only the last ``window`` keys (blocks wholly before them are never read)."""
-        nreq, heads, head_dim = q.shape
-        _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
+        nreq, heads, _ = q.shape
         assert block_table.dtype == torch.int64 and block_table.stride(1) == 1
         assert seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()
-        out = torch.empty((nreq, heads, head_dim), dtype=q.dtype)
-        rc = self._fns[q.dtype](
-            q.data_ptr(),
-            q.stride(0),
-            kv_cache.data_ptr(),
-            num_blocks,
-            block_size,
-            kv_heads,
-            head_dim,
-            kv_cache.stride(2),
-            kv_cache.stride(3),
+        return self._run(
+            q,
+            kv_cache,
             block_table.data_ptr(),
             block_table.stride(0),
             seq_lens.data_ptr(),
             nreq,
-            heads // kv_heads,
+            heads // kv_cache.shape[3],
             scale,
             window or 0,
-            out.data_ptr(),
-            torch.get_num_threads(),
         )
-        if rc != 0:
-            raise MemoryError("paged decode attention: could not allocate scratch memory")
-        return out
 
 
 def load_paged_decode() -> PagedDecodeKernel | None:

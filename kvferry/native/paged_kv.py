@@ -10,6 +10,24 @@ import torch
 
 from kvferry.kv_layout import layout_of
 
+# The leading arguments of every entry point: the queries and the pool.
+POOL_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,  # q
+    ctypes.c_int64,  # q row stride (elements)
+    ctypes.c_void_p,  # cache
+    ctypes.c_int64,  # num_blocks
+    ctypes.c_int64,  # block_size
+    ctypes.c_int64,  # num_kv_heads
+    ctypes.c_int64,  # head_dim
+    ctypes.c_int64,  # token stride inside a block (elements)
+    ctypes.c_int64,  # kv head stride inside a block (elements)
+]
+# ... then the kernel's own arguments, then these two.
+TAIL_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,  # out
+    ctypes.c_int,  # threads
+]
+
 
 class PagedKVKernel:
     """A C attention kernel reading K/V in place from a ``(2, num_blocks, block_size,
@@ -20,7 +38,9 @@ class PagedKVKernel:
 
     DTYPES = (torch.float32, torch.bfloat16)
 
-    def __init__(self, lib: ctypes.CDLL, symbol: str, argtypes: list[Any]) -> None:
+    def __init__(self, lib: ctypes.CDLL, symbol: str, own_argtypes: list[Any], what: str) -> None:
+        self._what = what
+        argtypes = POOL_ARGTYPES + own_argtypes + TAIL_ARGTYPES
         self._fns = {
             torch.float32: getattr(lib, f"{symbol}_f32"),
             torch.bfloat16: getattr(lib, f"{symbol}_bf16"),
@@ -36,3 +56,29 @@ class PagedKVKernel:
             and q.dtype == kv_cache.dtype
             and layout_of(kv_cache) is not None
         )
+
+    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, *own: Any) -> torch.Tensor:
+        """Calls the entry point for ``q``'s dtype with the pool's geometry, ``own`` and a
+        new ``out`` shaped like ``q``."""
+        _, heads, head_dim = q.shape
+        _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype)
+        rc = self._fns[q.dtype](
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            *own,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"{self._what}: could not allocate scratch memory")
+        return out

@@ -11,23 +11,12 @@ from kvferry.native.build import load_library
 from kvferry.native.paged_kv import PagedKVKernel
 
 _ARGTYPES: list[Any] = [
-    ctypes.c_void_p,  # q
-    ctypes.c_int64,  # q row stride (elements)
-    ctypes.c_void_p,  # cache
-    ctypes.c_int64,  # num_blocks
-    ctypes.c_int64,  # block_size
-    ctypes.c_int64,  # num_kv_heads
-    ctypes.c_int64,  # head_dim
-    ctypes.c_int64,  # token stride inside a block (elements)
-    ctypes.c_int64,  # kv head stride inside a block (elements)
     ctypes.c_void_p,  # block ids of the request
     ctypes.c_int64,  # context length (tokens before the chunk)
     ctypes.c_int64,  # query length (tokens in the chunk)
     ctypes.c_int64,  # group (query heads per kv head)
     ctypes.c_float,  # scale
     ctypes.c_int64,  # sliding window (0: none)
-    ctypes.c_void_p,  # out
-    ctypes.c_int,  # threads
 ]
 
 
@@ -42,7 +31,7 @@ class PagedPrefillKernel(PagedKVKernel):
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        super().__init__(lib, "kvf_paged_prefill", _ARGTYPES)
+        super().__init__(lib, "kvf_paged_prefill", _ARGTYPES, "paged prefill attention")
         # Query heads per kv head that one work item can stack (ROWS in the C source: one
         # tile of registers, so it depends on the vector width the kernel was built for).
         lib.kvf_paged_prefill_rows.restype = ctypes.c_int
@@ -71,35 +60,20 @@ class PagedPrefillKernel(PagedKVKernel):
         contiguous int64 covering ``context_len + q_len`` tokens. ``window``: a sliding window,
         each query sees only the last ``window`` keys up to its own position (blocks wholly
         before every query's window are never read)."""
-        q_len, heads, head_dim = q.shape
-        _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
+        q_len, heads, _ = q.shape
+        block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         assert block_ids.dtype == torch.int64 and block_ids.is_contiguous()
         assert block_ids.numel() * block_size >= context_len + q_len
-        out = torch.empty((q_len, heads, head_dim), dtype=q.dtype)
-        rc = self._fns[q.dtype](
-            q.data_ptr(),
-            q.stride(0),
-            kv_cache.data_ptr(),
-            num_blocks,
-            block_size,
-            kv_heads,
-            head_dim,
-            kv_cache.stride(2),
-            kv_cache.stride(3),
+        return self._run(
+            q,
+            kv_cache,
             block_ids.data_ptr(),
             context_len,
             q_len,
             heads // kv_heads,
             scale,
             window or 0,
-            out.data_ptr(),
-            torch.get_num_threads(),
         )
-        if rc != 0:
-            raise MemoryError("paged prefill attention: could not allocate scratch memory")
-        return out
 
 
 def load_paged_prefill() -> PagedPrefillKernel | None:
