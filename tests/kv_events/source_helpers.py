@@ -41,11 +41,9 @@ def stored(
     window: int | None = None,
 ) -> BlockStored:
     """The BlockStored a source must emit for blocks [start, end) of ``request`` in KV cache
-    group ``group_idx`` (sliding over ``window`` tokens, or full attention). The engine pool
-    names the group's attention type; connector tiers do not."""
-    kind = None
-    if medium == MEDIUM_GPU:
-        kind = KV_CACHE_SPEC_FULL_ATTENTION if window is None else KV_CACHE_SPEC_SLIDING_WINDOW
+    group ``group_idx`` (sliding over ``window`` tokens, or full attention), named by its
+    attention type."""
+    kind = KV_CACHE_SPEC_FULL_ATTENTION if window is None else KV_CACHE_SPEC_SLIDING_WINDOW
     return BlockStored(
         block_hashes=ext(request, *range(start, end)),
         parent_block_hash=ext(request, start - 1)[0] if start else None,
