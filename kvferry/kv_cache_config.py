@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.kv_events.events import KV_CACHE_SPEC_FULL_ATTENTION, KV_CACHE_SPEC_SLIDING_WINDOW
 from kvferry.kv_layout import KVCacheLayout
 
 
@@ -20,6 +21,14 @@ class KVCacheGroupSpec:
     head_dim: int
     dtype: torch.dtype
     sliding_window: int | None = None
+
+    @property
+    def kv_cache_spec_kind(self) -> str:
+        """The group's attention type as KV cache events name it (vLLM's
+        ``get_kv_cache_spec_kind``)."""
+        if self.sliding_window is not None:
+            return KV_CACHE_SPEC_SLIDING_WINDOW
+        return KV_CACHE_SPEC_FULL_ATTENTION
 
     @property
     def bytes_per_block_per_layer(self) -> int:

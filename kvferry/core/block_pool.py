@@ -8,15 +8,16 @@ hash ("eviction").
 
 With KV cache events on, the pool also reports what its prefix cache gains and loses, for
 routers (:mod:`kvferry.kv_events`, medium ``GPU`` as vLLM names the engine pool): a hash is
-announced when its first copy is published and withdrawn when its last copy loses it, so a
-subscriber that keeps a set of hashes is always exact.
+announced when its first copy in a group is published and withdrawn when the group's last
+copy loses it, so a subscriber that keeps a set of hashes per group is always exact.
 
 Hybrid models (several KV cache groups, e.g. full and sliding-window attention) share one
 pool: a block id belongs to one group at a time. The prefix cache is kept per group (the same
-tokens have different KV in each group's layers), and only group 0's (the full-attention
-group) produces events. A pool made with ``reserve_null_block`` sets block 0 aside as the
-*null block*: it stands in a sliding-window table for blocks that left the window, is never
-handed out, freed, cached or written, and no attention path reads it.
+tokens have different KV in each group's layers, under the same hash), and every group's
+gains and losses are events carrying its ``group_idx``, as vLLM publishes them. A pool made
+with ``reserve_null_block`` sets block 0 aside as the *null block*: it stands in a
+sliding-window table for blocks that left the window, is never handed out, freed, cached or
+written, and no attention path reads it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from collections.abc import Iterable, Sequence
 from kvferry.kv_events.block_runs import blocks_removed, blocks_stored
 from kvferry.kv_events.events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from kvferry.request import BlockHash
+
+# Hashes whose last copy a group lost in one call, per group (insertion-ordered).
+_Removed = dict[int, list[BlockHash]]
 
 
 class KVCacheBlock:
@@ -117,9 +121,12 @@ class BlockPool:
 
     Events (``enable_kv_cache_events``; ``block_size`` is then required): ``BlockStored``
     per run of consecutive blocks of one :meth:`cache_full_blocks` call whose hashes were
-    not cached yet, ``BlockRemoved`` per call that drops the last copy of some hashes,
-    ``AllBlocksCleared`` per successful :meth:`reset_prefix_cache`; :meth:`take_events`
-    hands them over in order. Off, the pool records nothing.
+    not cached yet in that group, ``BlockRemoved`` per group and call that drops the group's
+    last copy of some hashes, ``AllBlocksCleared`` per successful
+    :meth:`reset_prefix_cache`; :meth:`take_events` hands them over in order. Block events
+    carry their group's ``group_idx`` and, from ``group_event_specs`` (per group: vLLM's
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``), its attention type. Off,
+    the pool records nothing.
     """
 
     def __init__(
@@ -130,11 +137,15 @@ class BlockPool:
         block_size: int = 0,
         num_groups: int = 1,
         reserve_null_block: bool = False,
+        group_event_specs: Sequence[tuple[str | None, int | None]] = (),
     ) -> None:
         if num_blocks <= int(reserve_null_block):
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if enable_kv_cache_events and block_size <= 0:
             raise ValueError("KV cache events need the pool's block_size")
+        if group_event_specs and len(group_event_specs) != num_groups:
+            raise ValueError("group_event_specs needs one (kind, window) per group")
+        self.group_event_specs = list(group_event_specs) or [(None, None)] * num_groups
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events and enable_caching
@@ -227,21 +238,21 @@ class BlockPool:
 
         ``block_hashes[i]`` is the hash of ``blocks[i]``'s content. Blocks that already carry
         a hash (prefix-cache hits) are left as they are, null blocks too. ``token_ids`` (the
-        sequence's tokens from its start) and ``cache_salt`` are only read for events, which
-        only group 0 produces.
+        sequence's tokens from its start) and ``cache_salt`` are only read for events.
         """
         if not self.enable_caching:
             return
         assert num_full_blocks <= min(len(blocks), len(block_hashes))
-        events = self.enable_kv_cache_events and group_id == 0
+        events = self.enable_kv_cache_events
         cached = self.cached_by_group[group_id]
         run_start: int | None = None  # first block of the run of new hashes being built
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block is self.null_block:
-                assert not events, "group 0 has no null blocks"
-                continue
-            if block.block_hash is not None:
+                # Not held by this group (it left a sliding window): a run of announced
+                # blocks never spans it, so each event's tokens are its blocks' own.
+                new_hash = False
+            elif block.block_hash is not None:
                 assert block.block_hash == block_hashes[i], "block content changed under its hash"
                 new_hash = False
             else:
@@ -257,10 +268,12 @@ class BlockPool:
             if new_hash and run_start is None:
                 run_start = i
             elif not new_hash and run_start is not None:
-                self._emit_stored(block_hashes, token_ids, run_start, i, cache_salt)
+                self._emit_stored(block_hashes, token_ids, run_start, i, cache_salt, group_id)
                 run_start = None
         if run_start is not None:
-            self._emit_stored(block_hashes, token_ids, run_start, num_full_blocks, cache_salt)
+            self._emit_stored(
+                block_hashes, token_ids, run_start, num_full_blocks, cache_salt, group_id
+            )
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove the blocks' hashes so no later lookup hits them (e.g. their KV is known bad).
@@ -286,8 +299,9 @@ class BlockPool:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
 
-    def _drop_hash(self, block: KVCacheBlock, removed: list[BlockHash] | None = None) -> None:
-        """Unpublish ``block``; its hash goes to ``removed`` if no other block holds it."""
+    def _drop_hash(self, block: KVCacheBlock, removed: _Removed | None = None) -> None:
+        """Unpublish ``block``; its hash goes to ``removed`` (under its group) if no other
+        block of its group holds it."""
         if block.block_hash is None:
             return
         cached = self.cached_by_group[block.group_id]
@@ -296,8 +310,8 @@ class BlockPool:
             entry.pop(block.block_id, None)
             if not entry:
                 del cached[block.block_hash]
-                if removed is not None and block.group_id == 0:
-                    removed.append(block.block_hash)
+                if removed is not None:
+                    removed.setdefault(block.group_id, []).append(block.block_hash)
         block.block_hash = None
 
     # -- events ---------------------------------------------------------------------------
@@ -309,20 +323,32 @@ class BlockPool:
         start: int,
         end: int,
         cache_salt: str | None,
+        group_id: int,
     ) -> None:
         assert len(token_ids) >= end * self.block_size, "cache_full_blocks needs the tokens"
+        kind, window = self.group_event_specs[group_id]
         self.kv_event_queue.append(
             blocks_stored(
-                block_hashes, token_ids, start, end, self.block_size, MEDIUM_GPU, cache_salt
+                block_hashes,
+                token_ids,
+                start,
+                end,
+                self.block_size,
+                MEDIUM_GPU,
+                cache_salt,
+                group_idx=group_id,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
             )
         )
 
-    def _removed_list(self) -> list[BlockHash] | None:
-        return [] if self.enable_kv_cache_events else None
+    def _removed_list(self) -> _Removed | None:
+        return {} if self.enable_kv_cache_events else None
 
-    def _emit_removed(self, removed: list[BlockHash] | None) -> None:
-        if removed:
-            self.kv_event_queue.append(blocks_removed(removed, MEDIUM_GPU))
+    def _emit_removed(self, removed: _Removed | None) -> None:
+        # One event per group, groups in the order their first removal happened.
+        for group_id, hashes in (removed or {}).items():
+            self.kv_event_queue.append(blocks_removed(hashes, MEDIUM_GPU, group_id))
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events since the last call, oldest first (always [] with events off)."""

@@ -96,8 +96,8 @@ class KVCacheManager:
     :meth:`free` exactly once when the request is done or preempted. ``request.num_computed_tokens``
     must still hold the value from *before* the tokens being allocated for.
 
-    With ``enable_kv_cache_events`` the pool records what its prefix cache gains and loses
-    (see :class:`BlockPool`); the scheduler collects them once per step with
+    With ``enable_kv_cache_events`` the pool records what every group's prefix cache gains
+    and loses (see :class:`BlockPool`); the scheduler collects them once per step with
     :meth:`take_events`.
     """
 
@@ -124,6 +124,8 @@ class KVCacheManager:
             block_size=self.block_size,
             num_groups=self.num_groups,
             reserve_null_block=kv_cache_config.null_block_id is not None,
+            # Each group's events name its attention type, as vLLM's annotate them.
+            group_event_specs=[(g.kv_cache_spec_kind, g.sliding_window) for g in groups],
         )
         self.managers = [make_manager(g, i, self.block_pool) for i, g in enumerate(groups)]
         # Group 0's tables and published counts (every group holds the same requests).

@@ -16,6 +16,9 @@ from kvferry.kv_events.aggregation import (
     merge_worker_events,
 )
 from kvferry.kv_events.events import (
+    KV_CACHE_SPEC_FULL_ATTENTION,
+    KV_CACHE_SPEC_SLIDING_WINDOW,
+    MAIN_ATTENTION_KINDS,
     MEDIUM_CPU,
     MEDIUM_GPU,
     MEDIUM_STORAGE,
@@ -60,6 +63,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "KV_CACHE_SPEC_FULL_ATTENTION",
+    "KV_CACHE_SPEC_SLIDING_WINDOW",
+    "MAIN_ATTENTION_KINDS",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",

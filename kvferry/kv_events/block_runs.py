@@ -13,7 +13,8 @@ from typing import Any
 
 from kvferry.kv_events.events import BlockRemoved, BlockStored, external_block_hash
 
-# kvferry has one KV cache group; vLLM names it in every block event.
+# The KV cache group events describe when a source does not say: group 0, the full-attention
+# group (kvferry puts full attention first; vLLM names the group in every block event).
 GROUP_IDX = 0
 
 
@@ -25,9 +26,14 @@ def blocks_stored(
     block_size: int,
     medium: str,
     cache_salt: str | None = None,
+    group_idx: int = GROUP_IDX,
+    kv_cache_spec_kind: str | None = None,
+    kv_cache_spec_sliding_window: int | None = None,
 ) -> BlockStored:
     """``BlockStored`` for blocks ``[start, end)`` of a sequence whose full-block hashes are
-    ``block_hashes`` and whose tokens are ``token_ids`` (both from the sequence's start)."""
+    ``block_hashes`` and whose tokens are ``token_ids`` (both from the sequence's start), held
+    by KV cache group ``group_idx`` (its attention type and window as vLLM names them, or
+    None where the source does not know them)."""
     assert 0 <= start < end <= len(block_hashes), "block run out of range"
     extra_keys: list[tuple[Any, ...] | None] = [None] * (end - start)
     if start == 0 and cache_salt:  # vLLM adds no key for an empty salt
@@ -41,14 +47,18 @@ def blocks_stored(
         medium=medium,
         lora_name=None,
         extra_keys=extra_keys,
-        group_idx=GROUP_IDX,
+        group_idx=group_idx,
+        kv_cache_spec_kind=kv_cache_spec_kind,
+        kv_cache_spec_sliding_window=kv_cache_spec_sliding_window,
     )
 
 
-def blocks_removed(block_hashes: Iterable[bytes], medium: str) -> BlockRemoved:
-    """``BlockRemoved`` for blocks that ``medium`` no longer holds."""
+def blocks_removed(
+    block_hashes: Iterable[bytes], medium: str, group_idx: int = GROUP_IDX
+) -> BlockRemoved:
+    """``BlockRemoved`` for blocks that group ``group_idx`` of ``medium`` no longer holds."""
     return BlockRemoved(
         block_hashes=[external_block_hash(h) for h in block_hashes],
         medium=medium,
-        group_idx=GROUP_IDX,
+        group_idx=group_idx,
     )

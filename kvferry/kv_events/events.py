@@ -23,6 +23,9 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "KV_CACHE_SPEC_FULL_ATTENTION",
+    "KV_CACHE_SPEC_SLIDING_WINDOW",
+    "MAIN_ATTENTION_KINDS",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
@@ -41,6 +44,16 @@ __all__ = [
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
+
+# ``BlockStored.kv_cache_spec_kind``: the attention type of the block's KV cache group, in
+# vLLM's words (``KVCacheSpecKind`` values; kvferry's groups are one of the first two).
+KV_CACHE_SPEC_FULL_ATTENTION = "full_attention"
+KV_CACHE_SPEC_SLIDING_WINDOW = "sliding_window"
+# Kinds whose blocks hold every earlier token's KV: a prompt's reusable prefix is bounded by
+# these groups alone, so routers match prompts against them (Dynamo's "main attention").
+MAIN_ATTENTION_KINDS = frozenset(
+    {KV_CACHE_SPEC_FULL_ATTENTION, "mla_attention", "sink_full_attention"}
+)
 
 # A block hash as events carry it: vLLM publishes the low 64 bits of the hash as an int by
 # default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) and the raw bytes otherwise.

@@ -123,3 +123,65 @@ def test_a_shared_medium_matches_on_every_instance() -> None:
     own = PrefixIndex()
     own.apply("a", batch(stored([11, 12, 13], TOKENS, BS, medium=MEDIUM_STORAGE)))
     assert own.match("b", TOKENS).blocks == 0 and own.match("a", TOKENS).blocks == 3
+
+
+FULL = {"kv_cache_spec_kind": "full_attention"}
+SLIDING = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+
+
+def test_sliding_window_blocks_neither_match_nor_withdraw_full_attention_ones() -> None:
+    # A hybrid instance announces each block once per group, under the same hash.
+    idx = PrefixIndex()
+    idx.apply(
+        "a",
+        batch(
+            stored([11, 12, 13], TOKENS, BS, group_idx=0, **FULL),
+            stored([11, 12, 13], TOKENS, BS, group_idx=1, **SLIDING),
+        ),
+    )
+    m = idx.match("a", TOKENS)
+    assert (m.blocks, m.weighted_tokens) == (3, 12.0) and idx.size("a") == 3
+    # The sliding group evicts blocks that left its window: the full-attention ones stay.
+    idx.apply("a", batch(BlockRemoved(block_hashes=[11, 12], medium=MEDIUM_GPU, group_idx=1)))
+    assert idx.match("a", TOKENS).blocks == 3
+    idx.apply("a", batch(BlockRemoved(block_hashes=[11], medium=MEDIUM_GPU, group_idx=0)))
+    assert idx.match("a", TOKENS).blocks == 0
+    # Sliding blocks alone (their full-attention copies gone) are no reusable prefix.
+    idx.apply("b", batch(stored([11, 12, 13], TOKENS, BS, group_idx=1, **SLIDING)))
+    assert idx.match("b", TOKENS).blocks == 0 and idx.size("b") == 0
+
+
+def test_groups_are_told_apart_by_their_kind_not_their_index() -> None:
+    # vLLM numbers groups by layout: here group 0 slides and group 1 is full attention.
+    idx = PrefixIndex()
+    idx.apply(
+        "a",
+        batch(
+            stored([11, 12], TOKENS[:8], BS, group_idx=0, **SLIDING),
+            stored([11, 12], TOKENS[:8], BS, group_idx=1, **FULL),
+        ),
+    )
+    assert idx.match("a", TOKENS).blocks == 2
+    # Removals name no kind: the groups' kinds learned from the stores decide.
+    idx.apply("a", batch(BlockRemoved(block_hashes=[11], medium=MEDIUM_GPU, group_idx=0)))
+    assert idx.match("a", TOKENS).blocks == 2
+    idx.apply("a", batch(BlockRemoved(block_hashes=[11], medium=MEDIUM_GPU, group_idx=1)))
+    assert idx.match("a", TOKENS).blocks == 0
+
+
+def test_a_block_stays_while_another_full_attention_group_holds_it() -> None:
+    idx = PrefixIndex()
+    idx.apply(
+        "a",
+        batch(
+            stored([11], TOKENS[:4], BS, group_idx=0, **FULL),
+            stored([11], TOKENS[:4], BS, group_idx=2, **FULL),
+            stored([11], TOKENS[:4], BS, group_idx=2, medium=MEDIUM_CPU, **FULL),
+        ),
+    )
+    idx.apply("a", batch(BlockRemoved(block_hashes=[11], medium=MEDIUM_GPU, group_idx=0)))
+    assert idx.match("a", TOKENS).weighted_tokens == 4.0  # group 2 still has it in the pool
+    idx.apply("a", batch(BlockRemoved(block_hashes=[11], medium=MEDIUM_GPU, group_idx=2)))
+    assert idx.match("a", TOKENS).weighted_tokens == 4 * 0.5
+    idx.apply("a", batch(BlockRemoved(block_hashes=[11], medium=MEDIUM_CPU, group_idx=2)))
+    assert idx.size("a") == 0

@@ -1,7 +1,12 @@
 """PrefixIndex: which instance holds which prompt prefix, in which tier, learned from KV events.
 
 Per instance it keeps the blocks announced by ``BlockStored`` (with the media holding each
-one) until ``BlockRemoved`` / ``AllBlocksCleared`` take them away. A request is matched by
+one) until ``BlockRemoved`` / ``AllBlocksCleared`` take them away. Only blocks of the
+instance's main-attention KV cache groups count (full attention, by ``kv_cache_spec_kind``;
+group 0 when events do not name kinds): on a hybrid model a prompt's reusable prefix is
+bounded by full attention, and a sliding-window group's blocks, announced and withdrawn
+under the same hashes, must neither inflate a match nor withdraw a full-attention block
+(Dynamo's router filters vLLM's events the same way). A request is matched by
 walking its token blocks from the first: block ``i`` is found through the token ids and the
 parent hash the events carried (``(parent, tokens) -> hash``), which works whatever hash
 algorithm and seed the instance uses; when the proxy knows the algorithm it also recomputes
@@ -21,6 +26,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvferry.kv_events import (
+    MAIN_ATTENTION_KINDS,
     MEDIUM_CPU,
     MEDIUM_GPU,
     MEDIUM_STORAGE,
@@ -36,20 +42,38 @@ from kvferry.kv_events import (
 TIER_WEIGHTS: dict[str, float] = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.5, MEDIUM_STORAGE: 0.25}
 _BITS = {MEDIUM_GPU: 1, MEDIUM_CPU: 2, MEDIUM_STORAGE: 4}
 _BIT_WEIGHTS = {bit: TIER_WEIGHTS[m] for m, bit in _BITS.items()}
+# A block's media are kept per main-attention group (vLLM can split full attention into
+# several groups, each announcing and withdrawing the same hash): one set of medium bits per
+# group, the groups from the 8th on sharing the last set.
+_MEDIUM_BITS = 3
+_GROUP_SLOTS = 8
 
 TokenKey = tuple[ExternalBlockHash | None, tuple[int, ...]]
 
 
-def medium_bit(medium: str | None) -> int:
+def medium_bit(medium: str | None, group_idx: int | None = None) -> int:
     # No medium: vLLM's block pool before tiers existed, i.e. the engine pool. An unknown tier
     # ranks with the slowest one.
-    if medium is None:
-        return _BITS[MEDIUM_GPU]
-    return _BITS.get(medium.upper(), _BITS[MEDIUM_STORAGE])
+    bit = _BITS[MEDIUM_GPU] if medium is None else _BITS.get(medium.upper(), _BITS[MEDIUM_STORAGE])
+    return bit << (_MEDIUM_BITS * min(max(group_idx or 0, 0), _GROUP_SLOTS - 1))
 
 
 def best_weight(media: int) -> float:
-    return max((w for bit, w in _BIT_WEIGHTS.items() if media & bit), default=0.0)
+    """The best tier weight among ``media`` (any group's)."""
+    mask = (1 << _MEDIUM_BITS) - 1
+    tiers = 0
+    while media:
+        tiers |= media & mask
+        media >>= _MEDIUM_BITS
+    return max((w for bit, w in _BIT_WEIGHTS.items() if tiers & bit), default=0.0)
+
+
+def is_main_attention(kind: str | None) -> bool | None:
+    """Whether a block event's group bounds prompt reuse: by its ``kv_cache_spec_kind``, or
+    None when the event names no kind."""
+    if kind is None:
+        return None
+    return kind in MAIN_ATTENTION_KINDS
 
 
 @dataclass(slots=True)
@@ -63,6 +87,19 @@ class _Instance:
     blocks: OrderedDict[ExternalBlockHash, _Block] = field(default_factory=OrderedDict)
     by_tokens: dict[TokenKey, ExternalBlockHash] = field(default_factory=dict)
     block_size: int | None = None
+    # Per KV cache group: whether it is a main-attention group, as its BlockStored events
+    # named it (BlockRemoved names no kind, so removals are judged by what stores taught).
+    main_groups: dict[int | None, bool] = field(default_factory=dict)
+
+    def is_main(self, group_idx: int | None, kind: str | None = None) -> bool:
+        main = is_main_attention(kind)
+        if main is not None:
+            self.main_groups[group_idx] = main
+            return main
+        learned = self.main_groups.get(group_idx)
+        # Events without kinds (vLLM before 0.33, connector tiers) describe group 0, the
+        # only group vLLM published then.
+        return learned if learned is not None else group_idx in (None, 0)
 
 
 @dataclass(frozen=True)
@@ -98,10 +135,13 @@ class PrefixIndex:
         with self._lock:
             inst = self._instances.setdefault(instance, _Instance())
             for ev in batch.events:
+                # The publishing instance knows its groups, also for blocks kept shared.
                 if isinstance(ev, BlockStored):
-                    self._stored(self._target(inst, ev.medium), ev)
+                    if inst.is_main(ev.group_idx, ev.kv_cache_spec_kind):
+                        self._stored(self._target(inst, ev.medium), ev)
                 elif isinstance(ev, BlockRemoved):
-                    self._removed(self._target(inst, ev.medium), ev)
+                    if inst.is_main(ev.group_idx):
+                        self._removed(self._target(inst, ev.medium), ev)
                 elif isinstance(ev, AllBlocksCleared):
                     inst.blocks.clear()
                     inst.by_tokens.clear()
@@ -116,10 +156,10 @@ class PrefixIndex:
             self._instances.pop(instance, None)
 
     def _stored(self, inst: _Instance, ev: BlockStored) -> None:
-        # Only the full-attention group of a non-LoRA model is routable by prompt tokens.
-        if ev.group_idx not in (None, 0) or ev.lora_id is not None:
+        # Only a non-LoRA model is routable by prompt tokens.
+        if ev.lora_id is not None:
             return
-        bs, tokens, bit = ev.block_size, ev.token_ids, medium_bit(ev.medium)
+        bs, tokens, bit = ev.block_size, ev.token_ids, medium_bit(ev.medium, ev.group_idx)
         with_tokens = bs > 0 and len(tokens) == bs * len(ev.block_hashes)
         if with_tokens:
             inst.block_size = bs
@@ -145,9 +185,7 @@ class PrefixIndex:
             self._unlink(inst, h, old)
 
     def _removed(self, inst: _Instance, ev: BlockRemoved) -> None:
-        if ev.group_idx not in (None, 0):
-            return
-        bit = medium_bit(ev.medium)
+        bit = medium_bit(ev.medium, ev.group_idx)
         for h in ev.block_hashes:
             block = inst.blocks.get(h)
             if block is None:

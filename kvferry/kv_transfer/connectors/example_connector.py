@@ -44,7 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kvferry.kv_events.block_runs import blocks_stored
-from kvferry.kv_events.events import MEDIUM_STORAGE, KVCacheEvent
+from kvferry.kv_events.events import KV_CACHE_SPEC_FULL_ATTENTION, MEDIUM_STORAGE, KVCacheEvent
 from kvferry.kv_transfer.base import (
     CacheHitSource,
     KVConnectorBase,
@@ -260,6 +260,8 @@ class ExampleConnector(KVConnectorBase, SupportsHMA):
                     self.block_size,
                     MEDIUM_STORAGE,
                     request.cache_salt,
+                    # Only the full-attention group's blocks are announced.
+                    kv_cache_spec_kind=KV_CACHE_SPEC_FULL_ATTENTION,
                 )
             )
         return events

@@ -21,6 +21,7 @@ import msgspec
 
 from kvferry.kv_events.block_runs import GROUP_IDX, blocks_stored
 from kvferry.kv_events.events import (
+    KV_CACHE_SPEC_FULL_ATTENTION,
     MEDIUM_CPU,
     MEDIUM_STORAGE,
     BlockRemoved,
@@ -62,6 +63,7 @@ class ChunkEvents:
             self.block_size,
             MEDIUM_CPU,
             request.cache_salt,
+            kv_cache_spec_kind=KV_CACHE_SPEC_FULL_ATTENTION,  # group 0's chunks only
         )
         self._chunks[key] = _Chunk(event)
 
