@@ -6,12 +6,14 @@
  * (the chunk's own K/V already written there). Nothing is gathered and no mask is built: a
  * key tile past a query's position is skipped, and only the tiles on the diagonal mask.
  *
- * Work items are (kv head, tile of queries); the query heads that share the kv head are
- * stacked as the ROWS rows of one tile, so each key and value row is loaded once for all of
- * them. Rows are the vector lanes: queries and the output are kept transposed ([head_dim]
- * [ROWS]) for the whole item, so keys and values are read in place as scalars and every
- * product is a broadcast fused multiply-add, and the online softmax (running max and sum
- * per row, keys in tiles of KT) is elementwise over row vectors:
+ * Work items are (kv head, run of queries); the item's rows are its (query, query head)
+ * pairs, IROWS (64) of them, all sharing the kv head, so each key and value tile is loaded
+ * once for all of them. Rows are the vector lanes, in register tiles of ROWS rows (RV
+ * vectors of one register each: 16 rows with AVX2, 64 with AVX-512). Queries and the output
+ * are kept transposed ([head_dim][ROWS] per register tile) for the whole item, so keys and
+ * values are read in place as scalars, every product is a broadcast fused multiply-add
+ * (micro-kernels of KS keys or KV value dims by RV vectors), and the online softmax
+ * (running max and sum per row, keys in tiles of KT) is elementwise over row vectors:
  *   scores  S[KT][ROWS] = K . Qt      (Qt pre-scaled)
  *   values  Ot[:][ROWS] = Ot * alpha + V^T . P
  * Rows past the chunk's end are padding and never stored. With a sliding `window` (> 0) the
@@ -27,7 +29,7 @@
  *          order; blocks are block_size * num_kv_heads * head_dim apart either way)
  *   table  block ids of the request, covering ctx + q_len tokens
  *   out    [q_len, num_heads, head_dim], contiguous
- * head_dim must be a multiple of KB (4); group (query heads per kv head) at most ROWS.
+ * head_dim must be even; group (query heads per kv head) at most IROWS.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,11 +37,11 @@
 #include <string.h>
 
 typedef uint16_t bf16_t;
-/* A row vector is one machine register: with 16 registers of 8 floats (AVX2) an item of
- * 4 x 4 16-float vectors spills its accumulators on every FMA and runs >10x slower. */
+/* A row vector is one machine register: with 16 registers of 8 floats (AVX2), tiles of
+ * 16-float vectors spill their accumulators on every FMA and run >10x slower. */
 #ifdef __AVX512F__
 #define VW 16 /* floats per row vector */
-#define RV 4  /* row vectors per item */
+#define RV 4  /* row vectors per register tile */
 #else
 #define VW 8
 #define RV 2
@@ -47,9 +49,12 @@ typedef uint16_t bf16_t;
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
-#define KT 16        /* keys per tile */
-#define ROWS (VW * RV)
-#define KB 4         /* keys (or value dims) per register block */
+#define ROWS (VW * RV)      /* rows of one register tile */
+#define IROWS 64            /* rows of one work item */
+#define RT (IROWS / ROWS)   /* register tiles per item */
+#define KT 24               /* keys per tile */
+#define KS 6                /* keys per scores micro-kernel: KS x RV accumulators */
+#define KV 6                /* value dims per values micro-kernel */
 #define NEG (-1e30f) /* finite: -ffast-math assumes no infinities */
 
 static inline float bf16_to_f32(bf16_t x) {
@@ -116,17 +121,17 @@ static inline vf vexp(vf x) {
 static void scores_tile(const float *restrict qt, const float *const *restrict k, int64_t n,
                         int64_t d, float *restrict s) {
     int64_t j = 0;
-    for (; j + KB <= n; j += KB) {
-        vf a[KB][RV] = {{{0}}};
+    for (; j + KS <= n; j += KS) {
+        vf a[KS][RV] = {{{0}}};
         for (int64_t i = 0; i < d; i++) {
             vf q[RV];
             for (int v = 0; v < RV; v++) q[v] = vload(qt + i * ROWS + VW * v);
-            for (int b = 0; b < KB; b++) {
+            for (int b = 0; b < KS; b++) {
                 const float kb = k[j + b][i];
                 for (int v = 0; v < RV; v++) a[b][v] += kb * q[v];
             }
         }
-        for (int b = 0; b < KB; b++)
+        for (int b = 0; b < KS; b++)
             for (int v = 0; v < RV; v++) vstore(s + (j + b) * ROWS + VW * v, a[b][v]);
     }
     for (; j < n; j++) {
@@ -139,25 +144,30 @@ static void scores_tile(const float *restrict qt, const float *const *restrict k
     }
 }
 
-/* ot[e][:] = ot[e][:] * alpha + sum_j v[j][e] * p[j][:] over n keys. */
+/* ot[e .. e + NB][:] = ot * alpha + sum_j v[j][e ..] * p[j][:]: NB value dims at a time. */
+#define VALUES_BLOCK(NB)                                                                    \
+    do {                                                                                    \
+        vf a[NB][RV];                                                                       \
+        for (int b = 0; b < NB; b++)                                                        \
+            for (int v = 0; v < RV; v++) a[b][v] = vload(ot + (e + b) * ROWS + VW * v) * al[v]; \
+        for (int64_t j = 0; j < n; j++) {                                                   \
+            vf pj[RV];                                                                      \
+            for (int v = 0; v < RV; v++) pj[v] = vload(p + j * ROWS + VW * v);              \
+            const float *vj = val[j] + e;                                                   \
+            for (int b = 0; b < NB; b++)                                                    \
+                for (int v = 0; v < RV; v++) a[b][v] += vj[b] * pj[v];                      \
+        }                                                                                   \
+        for (int b = 0; b < NB; b++)                                                        \
+            for (int v = 0; v < RV; v++) vstore(ot + (e + b) * ROWS + VW * v, a[b][v]);     \
+    } while (0)
+
 static void values_tile(const float *restrict p, const float *const *restrict val, int64_t n,
                         int64_t d, const float *restrict alpha, float *restrict ot) {
     vf al[RV];
     for (int v = 0; v < RV; v++) al[v] = vload(alpha + VW * v);
-    for (int64_t e = 0; e < d; e += KB) {
-        vf a[KB][RV];
-        for (int b = 0; b < KB; b++)
-            for (int v = 0; v < RV; v++) a[b][v] = vload(ot + (e + b) * ROWS + VW * v) * al[v];
-        for (int64_t j = 0; j < n; j++) {
-            vf pj[RV];
-            for (int v = 0; v < RV; v++) pj[v] = vload(p + j * ROWS + VW * v);
-            const float *vj = val[j] + e;
-            for (int b = 0; b < KB; b++)
-                for (int v = 0; v < RV; v++) a[b][v] += vj[b] * pj[v];
-        }
-        for (int b = 0; b < KB; b++)
-            for (int v = 0; v < RV; v++) vstore(ot + (e + b) * ROWS + VW * v, a[b][v]);
-    }
+    int64_t e = 0;
+    for (; e + KV <= d; e += KV) VALUES_BLOCK(KV);
+    for (; e < d; e += 2) VALUES_BLOCK(2); /* head_dim is even */
 }
 
 static inline int masked_key(int64_t t, int32_t lim, int64_t window) {
@@ -199,18 +209,19 @@ static void softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t
     }
 }
 
-/* Per-thread scratch, all fp32. */
+/* Per-thread scratch, all fp32. Rows are (query, head) pairs of the item, IROWS of them in
+ * RT register tiles; each tile's arrays are contiguous. */
 typedef struct {
-    float *qt;    /* [d][ROWS] scaled queries, transposed */
-    float *ot;    /* [d][ROWS] unnormalised output, transposed */
-    float *s;     /* [KT][ROWS] scores, then probabilities */
-    float *m, *l, *alpha; /* [ROWS] running max, running sum, this tile's rescale */
+    float *qt;    /* [RT][d][ROWS] scaled queries, transposed */
+    float *ot;    /* [RT][d][ROWS] unnormalised output, transposed */
+    float *s;     /* [KT][ROWS] scores, then probabilities (one tile at a time) */
+    float *m, *l, *alpha; /* [IROWS] running max, running sum, this tile's rescale */
     float *kb, *vb;       /* [KT][d] widened key and value tiles (bf16 only) */
-    int32_t *lim;         /* [ROWS] last key position each row may see */
+    int32_t *lim;         /* [IROWS] last key position each row may see */
 } scratch_t;
 
 /* Query heads one work item can stack: the most a kv head may have. */
-int kvf_paged_prefill_rows(void) { return ROWS; }
+int kvf_paged_prefill_rows(void) { return IROWS; }
 
 #define DEFINE_PREFILL(NAME, T, TO_F32, FROM_F32)                                             \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
@@ -220,24 +231,24 @@ int kvf_paged_prefill_rows(void) { return ROWS; }
              int num_threads) {                                                               \
         const int64_t block_elems = block_size * num_kv_heads * d;                            \
         const T *vals = cache + num_blocks * block_elems;                                     \
-        const int64_t qt_n = ROWS / group > 0 ? ROWS / group : 1; /* queries per item */      \
+        const int64_t qt_n = IROWS / group > 0 ? IROWS / group : 1; /* queries per item */    \
         const int64_t tiles = (q_len + qt_n - 1) / qt_n, items = tiles * num_kv_heads;       \
         const int64_t heads = num_kv_heads * group;                                           \
         int failed = 0;                                                                       \
-        if (group > ROWS) return -2;                                                          \
+        if (group > IROWS) return -2;                                                         \
         _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)") {              \
             scratch_t w;                                                                      \
-            float *buf = aligned_alloc(64, sizeof(float) * (2 * d * ROWS + KT * ROWS +        \
-                                                            4 * ROWS + 2 * KT * d));          \
+            float *buf = aligned_alloc(64, sizeof(float) * (2 * d * IROWS + KT * ROWS +       \
+                                                            4 * IROWS + 2 * KT * d));         \
             if (buf == NULL) failed = 1;                                                      \
             w.qt = buf;                                                                       \
-            w.ot = w.qt + d * ROWS;                                                           \
-            w.s = w.ot + d * ROWS;                                                            \
+            w.ot = w.qt + d * IROWS;                                                          \
+            w.s = w.ot + d * IROWS;                                                           \
             w.m = w.s + KT * ROWS;                                                            \
-            w.l = w.m + ROWS;                                                                 \
-            w.alpha = w.l + ROWS;                                                             \
-            w.lim = (int32_t *)(w.alpha + ROWS);                                              \
-            w.kb = w.alpha + 2 * ROWS;                                                        \
+            w.l = w.m + IROWS;                                                                \
+            w.alpha = w.l + IROWS;                                                            \
+            w.lim = (int32_t *)(w.alpha + IROWS);                                             \
+            w.kb = w.alpha + 2 * IROWS;                                                       \
             w.vb = w.kb + KT * d;                                                             \
             /* Later query tiles see more keys: hand them out first. */                       \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) { \
@@ -245,15 +256,17 @@ int kvf_paged_prefill_rows(void) { return ROWS; }
                 const int64_t tile = tiles - 1 - it / num_kv_heads, h = it % num_kv_heads;   \
                 const int64_t q0 = tile * qt_n;                                               \
                 const int64_t nq = q_len - q0 < qt_n ? q_len - q0 : qt_n, rows = nq * group;  \
-                for (int64_t r = 0; r < ROWS; r++) {                                          \
+                const int64_t rts = (rows + ROWS - 1) / ROWS; /* register tiles in use */     \
+                for (int64_t r = 0; r < rts * ROWS; r++) {                                    \
                     const int64_t qi = r < rows ? r / group : 0;                              \
                     const T *src = q + (q0 + qi) * q_row_stride + (h * group + r % group) * d; \
-                    for (int64_t e = 0; e < d; e++) w.qt[e * ROWS + r] = TO_F32(src[e]) * scale; \
+                    float *qt = w.qt + (r / ROWS) * d * ROWS + r % ROWS;                      \
+                    for (int64_t e = 0; e < d; e++) qt[e * ROWS] = TO_F32(src[e]) * scale;    \
                     w.m[r] = NEG;                                                             \
                     w.l[r] = 0.0f;                                                            \
                     w.lim[r] = (int32_t)(ctx + q0 + qi);                                      \
                 }                                                                             \
-                memset(w.ot, 0, sizeof(float) * d * ROWS);                                    \
+                memset(w.ot, 0, sizeof(float) * d * ROWS * rts);                              \
                 const int64_t lim0 = ctx + q0, kend = ctx + q0 + nq;                          \
                 /* With a window: the first key the item's first query sees, and the last     \
                  * key position its last query cannot see any more. */                        \
@@ -278,15 +291,20 @@ int kvf_paged_prefill_rows(void) { return ROWS; }
                             vrow[j] = w.vb + j * d;                                           \
                         }                                                                     \
                     }                                                                         \
-                    scores_tile(w.qt, krow, n, d, w.s);                                       \
-                    softmax_tile(w.s, n, t0, w.lim, window, t0 + n - 1 > lim0 || t0 < lo_edge,  \
-                                 w.m, w.l, w.alpha);                                          \
-                    values_tile(w.s, vrow, n, d, w.alpha, w.ot);                              \
+                    const int edge = t0 + n - 1 > lim0 || t0 < lo_edge;                       \
+                    for (int64_t rt = 0; rt < rts; rt++) {                                    \
+                        const int64_t o = rt * ROWS;                                          \
+                        scores_tile(w.qt + o * d, krow, n, d, w.s);                           \
+                        softmax_tile(w.s, n, t0, w.lim + o, window, edge, w.m + o, w.l + o,   \
+                                     w.alpha + o);                                            \
+                        values_tile(w.s, vrow, n, d, w.alpha + o, w.ot + o * d);              \
+                    }                                                                         \
                 }                                                                             \
                 for (int64_t r = 0; r < rows; r++) {                                          \
                     T *dst = out + ((q0 + r / group) * heads + h * group + r % group) * d;    \
+                    const float *ot = w.ot + (r / ROWS) * d * ROWS + r % ROWS;                \
                     const float inv = 1.0f / w.l[r];                                          \
-                    for (int64_t e = 0; e < d; e++) dst[e] = FROM_F32(w.ot[e * ROWS + r] * inv); \
+                    for (int64_t e = 0; e < d; e++) dst[e] = FROM_F32(ot[e * ROWS] * inv);    \
                 }                                                                             \
             }                                                                                 \
             free(buf);                                                                        \
