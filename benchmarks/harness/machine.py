@@ -50,14 +50,24 @@ def machine_info() -> dict[str, Any]:
 
 
 def _cpu_facts() -> dict[str, Any]:
-    """``cpu_model`` and ``isa`` (the flags of ``ISA_FLAGS`` this CPU has) from /proc/cpuinfo."""
+    """``cpu_model``, ``cpu_family_model`` (e.g. ``25/1``: a VM's model name may be only
+    "AMD EPYC", the family tells Zen 2 from Zen 3) and ``isa`` (the flags of ``ISA_FLAGS``
+    this CPU has) from /proc/cpuinfo."""
     facts: dict[str, Any] = {}
+    ids: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    facts["cpu_model"] = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    facts["cpu_model"] = value.strip()
+                elif key in ("cpu family", "model") and key not in ids:
+                    ids[key] = value.strip()
+                elif not key:  # the first processor's block ends
                     break
+        if len(ids) == 2:
+            facts["cpu_family_model"] = f"{ids['cpu family']}/{ids['model']}"
         flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
         facts["isa"] = [f for f in ISA_FLAGS if f in flags]
     except (OSError, IndexError):
