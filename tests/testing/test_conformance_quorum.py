@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvferry.testing import FAILED, NOT_EXERCISED, PASSED, Harness, run_conformance
+from kvferry.testing import FAILED, NOT_EXERCISED, PASSED, Harness, quorum, run_conformance
 from kvferry.testing import harness as harness_module
 from kvferry.testing.order import check_order
 from kvferry.testing.quorum import QUORUM_TP
@@ -67,9 +67,13 @@ def test_a_rank_that_never_reports_fails_the_quorum(
         assert any("did not drain" in r for r in result.reasons), result.reasons
 
 
-def test_unadapted_connectors_are_not_exercised(harness: Harness) -> None:
+def test_unadapted_connectors_are_not_exercised(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No built-in is unadapted today: mark one so, as a connector not adapted would be.
+    monkeypatch.setitem(quorum.NOT_ON_TP, "ExampleConnector", "not adapted to tensor parallelism")
     kv = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
-        {"kv_connector": "LMCacheMPConnector", "kv_connector_extra_config": {}}]}}  # fmt: skip
+        {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {}}]}}  # fmt: skip
     (result,) = run_conformance(kv, scenarios=SCENARIO, harness=harness).results
     assert result.status == NOT_EXERCISED
     assert "not adapted to tensor parallelism" in result.reasons[0]

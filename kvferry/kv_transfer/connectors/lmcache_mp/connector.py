@@ -27,6 +27,7 @@ from kvferry.kv_transfer.connectors.lmcache_mp.scheduler import LMCacheMPSchedul
 from kvferry.kv_transfer.connectors.lmcache_mp.worker import KV_LAYOUT, LMCacheMPWorker
 from kvferry.kv_transfer.connectors.split import SplitConnector
 from kvferry.model.fingerprint import weights_fingerprint
+from kvferry.model.parallel import tp_rank
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
@@ -67,10 +68,14 @@ class LMCacheMPConnector(SplitConnector[LMCacheMPScheduler, LMCacheMPWorker]):
             raise ConfigError(f"{name} supports one KV cache group")
         model_name = lmcache_model_name(config, kv_cache_config)
         block_size = kv_cache_config.block_size
+        # Under TP every rank registers as its own LMCache worker (its KV heads are one piece
+        # of each chunk); the scheduler half looks chunks up for all of them.
+        tp = config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
-            self.set_scheduler_half(LMCacheMPScheduler(opts, model_name, block_size, name))
+            self.set_scheduler_half(LMCacheMPScheduler(opts, model_name, block_size, name, tp))
         else:
-            self.set_worker_half(LMCacheMPWorker(opts, model_name, block_size, name))
+            half = LMCacheMPWorker(opts, model_name, block_size, name, tp, tp_rank())
+            self.set_worker_half(half)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, LMCacheMPConnectorMetadata):

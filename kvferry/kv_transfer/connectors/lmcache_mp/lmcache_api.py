@@ -58,8 +58,17 @@ def lmcache_api() -> LMCacheAPI:
     )
 
 
-def single_worker_strategy(api: LMCacheAPI) -> Any:
-    """LMCache's ParallelStrategy for kvferry's one worker per engine (no TP/PP yet)."""
+def parallel_strategy(api: LMCacheAPI, tp_size: int, worker_id: int) -> Any:
+    """LMCache's ParallelStrategy for worker ``worker_id`` (the tensor-parallel rank) of an
+    engine with ``tp_size`` workers and one server; the scheduler half passes 0, as vLLM's
+    scheduler does. LMCache then stores a chunk as ``tp_size`` pieces, one per rank's KV
+    heads, keyed by the worker id, and a lookup hits a chunk only when every piece is there.
+    No pipeline parallelism; kvferry's attention is not MLA (each rank holds its own heads)."""
     return api.ParallelStrategy(
-        mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
+        mla_only=False,
+        vllm_world_size=tp_size,
+        vllm_worker_id=worker_id,
+        tp_size=tp_size,
+        pp_size=1,
+        n_servers=1,
     )

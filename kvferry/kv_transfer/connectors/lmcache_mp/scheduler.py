@@ -31,7 +31,7 @@ from kvferry.config import ConfigError
 from kvferry.kv_transfer.base import KVConnectorStats
 from kvferry.kv_transfer.connectors.lmcache_mp.lmcache_api import (
     lmcache_api,
-    single_worker_strategy,
+    parallel_strategy,
 )
 from kvferry.kv_transfer.connectors.lmcache_mp.metadata import (
     ChunkOp,
@@ -70,7 +70,12 @@ class _Tracker:
 
 class LMCacheMPScheduler(SchedulerHalf):
     def __init__(
-        self, opts: LMCacheMPOptions, model_name: str, block_size: int, owner: str
+        self,
+        opts: LMCacheMPOptions,
+        model_name: str,
+        block_size: int,
+        owner: str,
+        tp_size: int = 1,
     ) -> None:
         api = lmcache_api()
         self._owner = owner
@@ -81,7 +86,7 @@ class LMCacheMPScheduler(SchedulerHalf):
                 api.zmq_context,
                 model_name,
                 block_size,
-                single_worker_strategy(api),
+                parallel_strategy(api, tp_size, 0),
                 extra_config=opts.adapter_config(),
             )
         except ConnectionError as e:

@@ -25,7 +25,7 @@ from kvferry.kv_layout import KVCacheLayout, layout_of
 from kvferry.kv_transfer.base import KVConnectorStats
 from kvferry.kv_transfer.connectors.lmcache_mp.lmcache_api import (
     lmcache_api,
-    single_worker_strategy,
+    parallel_strategy,
 )
 from kvferry.kv_transfer.connectors.lmcache_mp.metadata import (
     ChunkOp,
@@ -48,7 +48,13 @@ KV_LAYOUT = "NHD"
 
 class LMCacheMPWorker(WorkerHalf):
     def __init__(
-        self, opts: LMCacheMPOptions, model_name: str, block_size: int, owner: str
+        self,
+        opts: LMCacheMPOptions,
+        model_name: str,
+        block_size: int,
+        owner: str,
+        tp_size: int = 1,
+        rank: int = 0,
     ) -> None:
         self._api = lmcache_api()
         self._owner = owner
@@ -60,7 +66,7 @@ class LMCacheMPWorker(WorkerHalf):
                 self._api.zmq_context,
                 model_name,
                 block_size,
-                single_worker_strategy(self._api),
+                parallel_strategy(self._api, tp_size, rank),
                 extra_config=opts.adapter_config(),
             )
         except ConnectionError as e:

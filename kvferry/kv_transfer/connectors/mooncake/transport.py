@@ -15,6 +15,14 @@ transfer in flight; :meth:`MooncakeTransport.release` says so until it has ended
 reader keeps the request's blocks until then. Runs of consecutive blocks on both sides merge
 into one transfer entry per (layer, K|V, run).
 
+Mooncake's TCP transport queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` entries per
+peer (1024 unless set) and fails a batch that overflows the queue; a READ across
+tensor-parallel sizes has one entry per token row (thousands for a long prompt). So a READ
+is posted as consecutive batches of at most :func:`batch_entries` entries, the queue's share
+of one transfer thread (the threads may all read one peer), in the same thread, one after
+the other; only the last carries the notification, so the peer still gets it after all the
+data.
+
 Notification payloads travel as text in Mooncake, so our (binary) notification is base64.
 """
 
@@ -23,7 +31,9 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import os
 import re
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +47,18 @@ from kvferry.kv_transfer.connectors.pd.transport import DONE, PROC, KVLayout
 logger = logging.getLogger(__name__)
 
 _SESSION = re.compile(r"^[A-Za-z0-9.:\[\]_-]{1,255}:[0-9]{1,5}$")
+
+# Mooncake's own knob, read the way its TCP transport reads it (digits, 1..65535, else 1024).
+QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+_QUEUE_DEFAULT, _QUEUE_MAX = 1024, 65535
+
+
+def batch_entries(threads: int, env: Mapping[str, str] = os.environ) -> int:
+    """The most entries one ``batch_transfer_sync`` call may carry: the per-peer queue
+    shared by ``threads`` transfer threads, so concurrent READs of one peer never overflow it."""
+    text = env.get(QUEUE_ENV, "")
+    queue = int(text) if text.isdigit() and 1 <= int(text) <= _QUEUE_MAX else _QUEUE_DEFAULT
+    return max(1, queue // max(1, threads))
 
 
 @dataclass(frozen=True)
@@ -89,6 +111,7 @@ class MooncakeTransport:
             )
         self.session = f"{hostname}:{self.engine.get_rpc_port()}"
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mooncake-read")
+        self.batch_entries = batch_entries(threads)
         self._registered: list[int] = []
         self.layout: KVLayout | None = None
 
@@ -166,10 +189,25 @@ class MooncakeTransport:
     def _transfer(
         self, session: str, bufs: list[int], peer_addrs: list[int], lens: list[int], message: str
     ) -> int:
-        note = self._notify(self.name, message)
-        return int(
-            self.engine.batch_transfer_sync(session, bufs, peer_addrs, lens, self._read_op, note)
-        )
+        """Run one READ as consecutive batches (see the module docstring); 0 on success, else
+        the first failing batch's code (later batches and the notification are not sent)."""
+        n, step = len(bufs), self.batch_entries
+        for start in range(0, n, step):
+            end = min(start + step, n)
+            note = self._notify(self.name, message) if end == n else None
+            rc = int(
+                self.engine.batch_transfer_sync(
+                    session,
+                    bufs[start:end],
+                    peer_addrs[start:end],
+                    lens[start:end],
+                    self._read_op,
+                    note,
+                )
+            )
+            if rc != 0:
+                return rc
+        return 0
 
     def state(self, handle: Any) -> str:
         assert isinstance(handle, Future)

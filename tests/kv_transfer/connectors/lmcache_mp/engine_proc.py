@@ -12,7 +12,7 @@ from tests.kv_transfer.connectors.lmcache_mp.harness import drain_and_check, gen
 
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    llm = make_llm(Path(job["model"]), job["kv"])
+    llm = make_llm(Path(job["model"]), job["kv"], tensor_parallel_size=job.get("tp", 1))
     outputs = generate(llm, job["prompts"])
     stats = drain_and_check(llm)
     out = Path(job_path).with_suffix(".out.json")

@@ -95,11 +95,17 @@ def drain_and_check(llm: LLM) -> dict[str, Any]:
 
 
 def run_engine_process(
-    model: Path, kv: dict[str, Any] | None, batch: list[list[int]], tmp: Path, name: str
+    model: Path,
+    kv: dict[str, Any] | None,
+    batch: list[list[int]],
+    tmp: Path,
+    name: str,
+    tp: int = 1,
 ) -> dict[str, Any]:
-    """Run one engine in its own Python process (see :mod:`.engine_proc`); its results."""
+    """Run one engine (``tp`` tensor-parallel workers) in its own Python process (see
+    :mod:`.engine_proc`); its results."""
     job = tmp / f"{name}.json"
-    job.write_text(json.dumps({"model": str(model), "kv": kv, "prompts": batch}))
+    job.write_text(json.dumps({"model": str(model), "kv": kv, "prompts": batch, "tp": tp}))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     with open(tmp / f"{name}.log", "wb") as log:

@@ -156,3 +156,61 @@ def test_params_carry_vllm_mooncake_fields_and_refuse_contradictions():
         sched.validate({**good, "remote_bootstrap_addr": "tcp://10.0.0.1:5555"})
     with pytest.raises(ParamsError, match="transfer_id must be a string"):
         sched.validate({**good, "transfer_id": 7})
+
+
+def test_batch_entries_share_mooncakes_per_peer_queue_between_threads():
+    from kvferry.kv_transfer.connectors.mooncake.transport import QUEUE_ENV, batch_entries
+
+    assert batch_entries(4, {}) == 256  # Mooncake's default queue of 1024 entries per peer
+    assert batch_entries(1, {QUEUE_ENV: "4096"}) == 4096
+    assert batch_entries(3, {QUEUE_ENV: "2"}) == 1
+    for bad in ("0", "70000", "x", ""):  # what Mooncake ignores, we do too
+        assert batch_entries(2, {QUEUE_ENV: bad}) == 512
+
+
+def _wait(cond: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_read_of_more_pieces_than_mooncakes_queue_moves_every_byte_and_notifies_once():
+    """Across TP sizes a READ is one piece per token row: far more entries than Mooncake's
+    per-peer queue (1024) admits in one batch. Every piece lands, the peer gets one
+    notification, after the data."""
+    from kvferry.kv_transfer.connectors.mooncake.transport import MooncakeTransport
+
+    shape = (2, 128, 16, 2, 8)  # decode rank 0 of 2 keeps head 0 of each token row
+    src = {name: torch.randn(shape) for name in LAYERS}
+    dst = {name: torch.zeros(2, 128, 16, 1, 8) for name in LAYERS}
+    p = MooncakeTransport("agent-P", "127.0.0.1", threads=2)
+    d = MooncakeTransport("agent-D", "127.0.0.1", threads=2)
+    try:
+        pl, dl = p.register(src), d.register(dst)
+        info = hs.AgentInfo(
+            "P", "agent-P", p.metadata(), 0, 1, 16, 128, pl.block_bytes, "DRAM", 0,
+            list(pl.base_addrs),
+        )  # fmt: skip
+        peer = d.add_peer(info)
+        from kvferry.kv_transfer.connectors.pd.tp_slices import head_slice, pieces
+
+        blocks = list(range(0, 128, 2))  # 2 layers x K/V x 64 blocks x 16 rows
+        sl = head_slice(0, 2, 0, 1, dl, peer.layout)
+        local, far, n = pieces(dl, peer.layout, blocks, blocks, sl)
+        # More than Mooncake's queue and admission backlog (1024 each) take at once.
+        assert len(local) == 4096 and d.batch_entries == 512
+        handle, _ = d.read_pieces(peer, local, far, n, b"done")
+        _wait(lambda: d.state(handle) != "PROC", "the READ")
+        assert d.state(handle) == "DONE"
+        notes: dict[str, list[bytes]] = {}
+        _wait(lambda: bool(notes.update(p.notifs()) or notes), "the notification")
+        time.sleep(0.2)
+        notes.update({k: notes.get(k, []) + v for k, v in p.notifs().items()})
+        assert notes == {"agent-D": [b"done"]}
+        for name in LAYERS:
+            assert torch.equal(dst[name][:, blocks], src[name][:, blocks, :, :1])
+            assert not dst[name][:, 1::2].any()
+    finally:
+        d.close()
+        p.close()
