@@ -16,7 +16,10 @@ SHAPE = (2, 6, 4, 3, 5)  # (K|V, blocks, block_size, heads, head_dim)
 
 def _pool(layout: KVCacheLayout) -> torch.Tensor:
     return layout.allocate(
-        SHAPE, torch.float32, torch.device("cpu"), lambda s, dt, dev: torch.zeros(s, dtype=dt, device=dev)
+        SHAPE,
+        torch.float32,
+        torch.device("cpu"),
+        lambda s, dt, dev: torch.zeros(s, dtype=dt, device=dev),
     )
 
 
