@@ -4,8 +4,9 @@ and the reverse), two ``kvferry serve`` with NixlConnector behind ``kvferry prox
 With ``enable_permute_local_kv`` on the decode side the blocks are read whole and permuted
 into its layout: greedy answers are token-identical to one offline instance and the prompt's
 KV came from the prefill instance. Without it the handshake is refused naming the two
-layouts and the flag; the read fails, ``kv_load_failure_policy=recompute`` recomputes the
-prompt (still token-identical), and a request served meanwhile is untouched."""
+layouts and the flag; the read fails and ``kv_load_failure_policy`` applies: ``recompute``
+recomputes the prompt (still token-identical), ``fail`` ends the request with a clear
+error. A request served meanwhile is untouched either way."""
 
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def test_decode_permutes_the_other_layout_token_identically(permuting, offline, 
     assert metric(d_url, "kvferry_kv_connector_total", stat="nixl_failed_reads") == 0
 
 
-def test_without_permute_the_read_is_refused_and_recomputed(
-    tiny_model_factory, tmp_path_factory, monkeypatch_module, offline
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_without_permute_the_read_is_refused(
+    tiny_model_factory, tmp_path_factory, monkeypatch_module, offline, policy
 ):
     from kvferry import SamplingParams
 
@@ -93,7 +95,7 @@ def test_without_permute_the_read_is_refused_and_recomputed(
         monkeypatch_module,
         "HND",
         "NHD",
-        kv_load_failure_policy="recompute",
+        kv_load_failure_policy=policy,
     ) as pd:
         p_url, d_url = pd["prefill"].url, pd["decode"].url
         prompts = [prompt_ids(200, 3), prompt_ids(90, 4)]
@@ -102,21 +104,26 @@ def test_without_permute_the_read_is_refused_and_recomputed(
             for o in offline.generate([{"prompt_token_ids": x} for x in prompts], params)
         ]
 
-        def ask(url: str, prompt: list[int]) -> list[int]:
+        def ask(url: str, prompt: list[int]) -> Any:
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
             kw: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 16}
-            return (
-                client.completions.create(temperature=0.0, extra_body=EXTRA, **kw)
-                .choices[0]
-                .token_ids
-            )
+            try:
+                choice = client.completions.create(temperature=0.0, extra_body=EXTRA, **kw)
+            except openai.APIStatusError as e:
+                return e
+            return choice.choices[0].token_ids
 
         # A P/D request and, meanwhile, a request straight to the decode instance.
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             pd_answer = pool.submit(ask, pd["proxy"].url, prompts[0])
             plain = pool.submit(ask, d_url, prompts[1])
             assert plain.result(timeout=120) == want[1]
-            assert pd_answer.result(timeout=120) == want[0]
+            got = pd_answer.result(timeout=120)
+        if policy == "recompute":
+            assert got == want[0]
+        else:  # the request ends with a clear error, through the proxy
+            assert isinstance(got, openai.APIStatusError) and got.status_code == 502, got
+            assert "KV cache load failed" in str(got) and "policy='fail'" in str(got)
         # The read failed before anything moved; the prompt was recomputed.
         wait_for(
             lambda: metric(d_url, "kvferry_kv_connector_total", stat="nixl_failed_reads") >= 1,

@@ -54,10 +54,10 @@ class BlockPermuter:
         self._physical = [physical(t, layout) for t in tensors]  # (2, nb, X, Y, d), dense
 
     def to_local(self, block_ids: list[int]) -> None:
-        if not block_ids:
+        if not block_ids or not self._physical:
             return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self._physical[0].device)
         for p in self._physical:
-            ids = torch.tensor(block_ids, dtype=torch.long, device=p.device)
             got = p.index_select(1, ids)  # a dense copy: (2, n, X, Y, d) of bytes in (Y, X)
             two, n, x, y, d = got.shape
             p.index_copy_(1, ids, got.view(two, n, y, x, d).transpose(2, 3).contiguous())
