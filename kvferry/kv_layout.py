@@ -37,9 +37,12 @@ class KVCacheLayout(enum.Enum):
 
     @classmethod
     def named(cls, name: str) -> KVCacheLayout | None:
-        """The layout called ``name`` (any case), or None for a name kvferry does not know."""
+        """The layout called ``name`` (any case): vLLM's ``NHD``/``HND``, or one of vLLM 0.33's
+        five-letter names that describes the same memory order (:data:`VLLM_LAYOUT_ALIASES`);
+        None for a name kvferry does not allocate."""
+        key = name.strip().upper()
         try:
-            return cls(name.strip().upper())
+            return cls(VLLM_LAYOUT_ALIASES.get(key, key))
         except ValueError:
             return None
 
@@ -59,6 +62,21 @@ class KVCacheLayout(enum.Enum):
         order = self.stride_order
         raw = make_tensor(self.physical_shape(shape), dtype, device)
         return raw.permute(*[order.index(i) for i in range(len(order))])
+
+
+# vLLM 0.33 names a layout by the memory order of a logical (layer, block, head, token,
+# content) cache, outermost first. kvferry allocates one tensor per layer (L outermost) whose
+# blocks follow each other (B next), so of those orders only the two that differ inside a
+# block exist here, and vLLM itself takes NHD / HND as their old names. The block-outermost
+# orders (one block spanning every layer: BLHNC, BLNHC, BHLNC) and LHBNC (heads outside
+# blocks) are other memory and stay refused.
+VLLM_LAYOUT_ALIASES: dict[str, str] = {"LBNHC": "NHD", "LBHNC": "HND"}
+
+
+def supported_layout_names() -> str:
+    """What kvferry allocates, for error messages."""
+    aliases = ", ".join(f"{a} (= {n})" for a, n in VLLM_LAYOUT_ALIASES.items())
+    return f"{' or '.join(repr(x.value) for x in KVCacheLayout)}; vLLM 0.33's {aliases}"
 
 
 def layout_of(kv_cache: torch.Tensor) -> KVCacheLayout | None:
@@ -100,3 +118,19 @@ def empty_like_layout(
         return torch.empty(s, dtype=dtype, device=device, pin_memory=pin_memory)
 
     return layout.allocate(shape, kv_cache.dtype, torch.device("cpu"), make)
+
+
+# The layout of the pool of the engine most recently started in this process (each worker
+# process records its own), which vLLM-style code reads through ``get_kv_cache_layout``.
+_engine_layout: KVCacheLayout | None = None
+
+
+def record_engine_layout(layout: KVCacheLayout) -> None:
+    """Called once the engine has decided its pool's layout, before any connector exists."""
+    global _engine_layout
+    _engine_layout = layout
+
+
+def engine_layout() -> KVCacheLayout | None:
+    """The layout :func:`record_engine_layout` last recorded in this process, or None."""
+    return _engine_layout

@@ -20,6 +20,7 @@ from kvferry.core.scheduler import Scheduler
 from kvferry.engine.arg_utils import EngineArgs
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.engine.prompt_checks import check_prompt_ids, check_stop_token_ids
+from kvferry.kv_layout import record_engine_layout
 from kvferry.kv_transfer.base import KVConnectorRole, KVConnectorStats, KVConnectorStatsTotals
 from kvferry.kv_transfer.factory import KVConnectorFactory
 from kvferry.kv_transfer.trace import maybe_wrap
@@ -67,6 +68,8 @@ class LLMEngine:
         )
         self.executor = create_executor(config)
         self.kv_cache_config = self.executor.kv_cache_config
+        # The scheduler-side connector sees the workers' layout (they may be other processes).
+        record_engine_layout(self.kv_cache_config.layout)
         kvt = config.kv_transfer_config
         connector = None
         if kvt is not None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvferry import envs
 from kvferry.config import ConfigError
-from kvferry.kv_layout import KVCacheLayout
+from kvferry.kv_layout import KVCacheLayout, supported_layout_names
 from kvferry.kv_transfer import vllm_imports
 from kvferry.kv_transfer.base import (
     KVConnectorBase,
@@ -139,8 +139,9 @@ def required_kv_cache_layout(
     if layout is None:
         raise ConfigError(
             f"{connector_cls.__name__} requires the {name!r} KV cache layout, which kvferry "
-            f"does not allocate; it allocates {_known_layouts()} (per layer "
-            "(2, num_blocks, block_size, num_kv_heads, head_dim) in either memory order)"
+            f"does not allocate; it allocates {supported_layout_names()} (one tensor per "
+            "layer, (2, num_blocks, block_size, num_kv_heads, head_dim) in either memory "
+            "order; no block spans several layers)"
         )
     return layout
 
@@ -175,7 +176,7 @@ def resolve_kv_cache_layout(config: EngineConfig) -> KVCacheLayout:
 
 
 def _known_layouts() -> str:
-    return " or ".join(repr(x.value) for x in KVCacheLayout)
+    return supported_layout_names()
 
 
 def _override_hint() -> str:

@@ -18,6 +18,7 @@ import torch
 from kvferry import envs
 from kvferry.config import ConfigError, EngineConfig
 from kvferry.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+from kvferry.kv_layout import record_engine_layout
 from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorHandshakeMetadata, KVConnectorRole
 from kvferry.kv_transfer.factory import KVConnectorFactory, resolve_kv_cache_layout
 from kvferry.kv_transfer.trace import maybe_wrap
@@ -108,6 +109,7 @@ class Worker:
         group = groups[0]
         # Decided before anything is allocated: the pool is laid out once, for the connector.
         layout = resolve_kv_cache_layout(config)
+        record_engine_layout(layout)  # what vllm's get_kv_cache_layout() answers here
         # Every rank's pool has the same number of blocks: the scheduler hands out one id space.
         num_blocks = all_reduce_min(self._num_blocks(groups))
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=groups, layout=layout)

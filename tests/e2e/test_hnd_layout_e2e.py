@@ -127,7 +127,7 @@ def test_layout_override_by_environment(model_dir, reference, tmp_path, monkeypa
 
 
 def test_unknown_and_disagreeing_layouts_are_refused(model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="OddLayoutConnector requires the 'LBHNC'.*does not"):
+    with pytest.raises(ConfigError, match="OddLayoutConnector requires the 'BLHNC'.*does not"):
         _llm(model_dir, _kv("OddLayoutConnector", tmp_path / "a"))
     multi = {
         "kv_connector": "MultiConnector",

@@ -36,4 +36,4 @@ class NHDExampleConnector(ExampleConnector):
 class OddLayoutConnector(ExampleConnector):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return "LBHNC"
+        return "BLHNC"  # blocks spanning all layers: not allocated by kvferry

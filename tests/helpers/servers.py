@@ -38,12 +38,18 @@ def _env() -> dict[str, str]:
 
 
 def start_server(
-    name: str, model: Path, log_dir: Path, kv: dict[str, Any] | None = None, *extra: str
+    name: str,
+    model: Path,
+    log_dir: Path,
+    kv: dict[str, Any] | None = None,
+    *extra: str,
+    env: dict[str, str] | None = None,
 ) -> Instance:
+    """``env``: variables set for this server only, on top of this process's."""
     argv = ["serve", str(model), "--port", "0", "--served-model-name", "tiny", *ENGINE_FLAGS]
     if kv is not None:
         argv += ["--kv-transfer-config", json.dumps(kv)]
-    return start(name, [*argv, *extra], log_dir, env=_env())
+    return start(name, [*argv, *extra], log_dir, env={**_env(), **(env or {})})
 
 
 @contextlib.contextmanager
@@ -70,13 +76,18 @@ def pd_serving(
     *extra: str,
     prefill_extra: Sequence[str] = (),
     decode_extra: Sequence[str] = (),
+    prefill_env: dict[str, str] | None = None,
+    decode_env: dict[str, str] | None = None,
 ) -> Iterator[dict[str, Instance]]:
     """A ready prefill and decode ``kvferry serve`` behind ``kvferry proxy``, by name
     (``prefill``, ``decode``, ``proxy``), stopped on exit; no log may hold a traceback.
-    ``extra`` flags go to both servers, ``prefill_extra`` / ``decode_extra`` to one."""
+    ``extra`` flags go to both servers, ``prefill_extra`` / ``decode_extra`` to one, and
+    ``prefill_env`` / ``decode_env`` environment variables to one."""
     procs = [
-        start_server("prefill", model, log_dir, prefill_kv, *extra, *prefill_extra),
-        start_server("decode", model, log_dir, decode_kv, *extra, *decode_extra),
+        start_server(
+            "prefill", model, log_dir, prefill_kv, *extra, *prefill_extra, env=prefill_env
+        ),
+        start_server("decode", model, log_dir, decode_kv, *extra, *decode_extra, env=decode_env),
     ]
     try:
         p_url, d_url = (wait_listening(i) for i in procs)

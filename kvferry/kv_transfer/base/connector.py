@@ -65,7 +65,8 @@ class KVConnectorBase(KVConnectorSchedulerSide, KVConnectorWorkerSide, ABC):
         (default ``"NHD"``; ``KVFERRY_KV_CACHE_LAYOUT`` overrides when it agrees). Either way
         ``register_kv_caches`` gets tensors of FlashAttention's logical shape ``(2,
         num_blocks, block_size, kv_heads, head_dim)``; with ``"HND"`` their strides put each
-        head's rows of a block together (see :mod:`kvferry.kv_layout`). Any other name is
+        head's rows of a block together (see :mod:`kvferry.kv_layout`). vLLM 0.33's
+        ``"LBNHC"`` and ``"LBHNC"`` are taken as ``"NHD"`` and ``"HND"``; any other name is
         refused with a clear error. Raises on the base."""
         if cls is KVConnectorBase:
             raise TypeError("get_required_kvcache_layout is asked of a connector class")

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvferry.kv_layout import KVCacheLayout
 from kvferry.kv_transfer.connectors.pd.auth import (
     NOTIF_DOMAIN,
     EnvelopeAuth,
@@ -97,10 +96,8 @@ class Compat:
                 f"{len(x.layer_names)}{'' if x.sliding_window is None else f'w{x.sliding_window}'}"
                 for x in kv_cache_config.groups
             )
-        # Blocks move as bytes: both sides need one memory order. NHD adds nothing, so the
-        # hash of an NHD instance stays what it was.
-        if kv_cache_config.layout is not KVCacheLayout.NHD:
-            layout += f"-{kv_cache_config.layout.value}"
+        # The memory order inside a block (NHD / HND) is not hashed: it travels in the
+        # handshake, where the decode side permutes or refuses (see .layout_match).
         dtype = str(g.dtype).removeprefix("torch.")
         return Compat(
             f"model={Path(mc.model).name}/{mc.arch.architecture}/{arch} "

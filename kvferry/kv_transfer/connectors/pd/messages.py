@@ -27,7 +27,7 @@ from kvferry.kv_transfer.connectors.pd.params import (
 )
 
 # Bump on any change of the messages or of their meaning.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 8 << 20
 
 Digest = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -105,6 +105,10 @@ class AgentInfo(msgspec.Struct, tag="agent", frozen=True, forbid_unknown_fields=
     mem_type: Literal["DRAM", "VRAM"]
     device_id: Count
     base_addrs: Annotated[list[Address], msgspec.Meta(min_length=1, max_length=4096)]
+    # The pool's memory order inside a block (vLLM's kv_cache_layout in NIXL's metadata):
+    # checked at the handshake, not in the compatibility hash, so that different layouts
+    # can pair (see .layout_match).
+    kv_cache_layout: Literal["NHD", "HND"] = "NHD"
 
 
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e7)]

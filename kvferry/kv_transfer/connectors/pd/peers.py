@@ -31,7 +31,9 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from kvferry.kv_layout import KVCacheLayout
 from kvferry.kv_transfer.connectors.pd.codec import Codec, ProtocolError
+from kvferry.kv_transfer.connectors.pd.layout_match import check_peer_layout
 from kvferry.kv_transfer.connectors.pd.messages import (
     AgentInfo,
     ClaimRequest,
@@ -76,6 +78,8 @@ class PeerClient:
         local: KVLayout,
         opts: PDOptions,
         label: str = "P/D",
+        kv_layout: KVCacheLayout = KVCacheLayout.NHD,
+        permute_local_kv: bool = False,
     ) -> None:
         self.codec = codec
         self.label = label
@@ -83,6 +87,10 @@ class PeerClient:
         self.agent_name = agent_name
         self.local = local
         self.opts = opts
+        # Our pool's order inside a block, and whether a peer of the other order is read
+        # (received blocks permuted; kv_transfer_config's enable_permute_local_kv).
+        self.kv_layout = kv_layout
+        self.permute_local_kv = permute_local_kv
         self.rank, self.tp_size = tp_rank(), tp_size()
         # (a prefill engine's rank 0, a rank of it) -> that rank's side channel (loop thread)
         self._routes: dict[tuple[Addr, int], Addr] = {}
@@ -288,6 +296,12 @@ class PeerClient:
                 f"the peer's KV layout (block_size, layers, block_bytes, tp_size, rank) = {got} "
                 f"does not match ours {expected}"
             )
+        check_peer_layout(
+            self.kv_layout,
+            reply.kv_cache_layout,
+            permute_local_kv=self.permute_local_kv,
+            same_tp=remote_tp == self.tp_size,
+        )
         return reply
 
     async def _claim(self, peer: Peer, spec: RecvSpec, remote_tp: int) -> Granted:

@@ -33,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from kvferry.kv_layout import KVCacheLayout
 from kvferry.kv_transfer.connectors.pd.handshake import (
     AgentInfo,
     Codec,
@@ -40,6 +41,7 @@ from kvferry.kv_transfer.connectors.pd.handshake import (
     ReadDone,
     Renewed,
 )
+from kvferry.kv_transfer.connectors.pd.layout_match import BlockPermuter
 from kvferry.kv_transfer.connectors.pd.metadata import RecvSpec, RemoteRef
 from kvferry.kv_transfer.connectors.pd.options import PDOptions
 from kvferry.kv_transfer.connectors.pd.peers import Addr, PeerClient, addr_of
@@ -77,6 +79,7 @@ class _Leg:
 class _Read:
     spec: RecvSpec
     legs: list[_Leg]
+    permute: bool = False  # the prefill pool has the other layout: rewrite what arrives
 
     def handles(self) -> list[Any]:
         return [leg.handle for leg in self.legs if leg.handle is not None]
@@ -93,16 +96,32 @@ class Reader:
         opts: PDOptions,
         stats: dict[str, float],
         label: str = "P/D",
+        kv_layout: KVCacheLayout = KVCacheLayout.NHD,
+        permuter: BlockPermuter | None = None,
     ) -> None:
+        """``permuter``: given when a prefill pool of the other layout may be read
+        (``enable_permute_local_kv``); without one such a peer's handshake fails."""
         self.transport = transport
         self.local = local
+        self.kv_layout = kv_layout
+        self.permuter = permuter
         self.codec = codec
         self.ctx = ctx
         self.engine_id = engine_id
         self.opts = opts
         self.stats = stats
         self.label = label  # the transport family, for logs and errors
-        self.peers = PeerClient(ctx, codec, engine_id, transport.name, local, opts, label)
+        self.peers = PeerClient(
+            ctx,
+            codec,
+            engine_id,
+            transport.name,
+            local,
+            opts,
+            label,
+            kv_layout=kv_layout,
+            permute_local_kv=permuter is not None,
+        )
         self._reads: dict[str, _Read] = {}
         self._agents: dict[str, tuple[RemotePeer, AgentInfo]] = {}  # agent name -> loaded
         self._addr_agent: dict[Key, str] = {}  # prefill address and rank -> its agent
@@ -223,6 +242,8 @@ class Reader:
         spec, remote = rd.spec, rd.spec.remote
         assert remote is not None
         leg.peer = peer = self._load((addr_of(remote), leg.source), info)
+        # The handshake admitted a peer of the other layout only with a permuter.
+        rd.permute = rd.permute or info.kv_cache_layout != self.kv_layout.value
         notif = self.codec.encode_notif(
             ReadDone(remote.engine_id, remote.request_id, self.engine_id)
         )
@@ -275,6 +296,12 @@ class Reader:
     def _report(self, req_id: str, rd: _Read, error: str | None, released: bool) -> None:
         remote = rd.spec.remote
         assert remote is not None
+        if error is None and rd.permute:
+            assert self.permuter is not None
+            try:
+                self.permuter.to_local(rd.spec.local_block_ids)
+            except Exception as e:  # e.g. out of device memory: the blocks are not usable
+                error = f"permuting the received blocks into {self.kv_layout.value} failed: {e!r}"
         self._done.add(req_id)
         if error is None:
             nbytes = 2 * len(rd.spec.local_block_ids) * self.local.block_bytes

@@ -46,6 +46,7 @@ from kvferry.kv_transfer.connectors.pd.handshake import (
     ReleaseRequest,
     SideChannelServer,
 )
+from kvferry.kv_transfer.connectors.pd.layout_match import BlockPermuter
 from kvferry.kv_transfer.connectors.pd.lease import LeaseTable
 from kvferry.kv_transfer.connectors.pd.metadata import (
     PDConnectorMetadata,
@@ -98,6 +99,9 @@ class PDConnectorWorker(WorkerHalf):
         # Every rank's side channel, in rank order (set once all ranks have bound theirs).
         self.rank_addrs: list[tuple[str, int]] = []
         compat = Compat.of(config, kv_cache_config, self.compat_transport)
+        self.kv_layout = kv_cache_config.layout
+        kvt = config.kv_transfer_config
+        self.permute_local_kv = kvt is not None and kvt.enable_permute_local_kv
         self.codec = Codec(compat, load_peer_auth(opts))
         self.host, self.port = side_channel_address(config, opts, rank)
         self.agent_name = f"{engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
@@ -142,6 +146,7 @@ class PDConnectorWorker(WorkerHalf):
             mem_type=layout.mem_type,  # type: ignore[arg-type]
             device_id=layout.device_id,
             base_addrs=list(layout.base_addrs),
+            kv_cache_layout=self.kv_layout.value,  # type: ignore[arg-type]
         )
         self._server = SideChannelServer(
             self.ctx, self.host, self.port, self.codec, self._answer, self.label
@@ -161,6 +166,8 @@ class PDConnectorWorker(WorkerHalf):
             self.opts,
             self.stats,
             self.label,
+            kv_layout=self.kv_layout,
+            permuter=BlockPermuter(kv_caches, self.kv_layout) if self.permute_local_kv else None,
         )
         logger.info(
             "%s connector ready: engine=%s agent=%s side_channel=%s:%d memory=%s blocks=%d %s",

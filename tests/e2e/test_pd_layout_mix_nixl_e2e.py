@@ -1,0 +1,145 @@
+"""P/D between instances whose KV pools have different layouts (NHD prefill with HND decode,
+and the reverse), two ``kvferry serve`` with NixlConnector behind ``kvferry proxy``.
+
+With ``enable_permute_local_kv`` on the decode side the blocks are read whole and permuted
+into its layout: greedy answers are token-identical to one offline instance and the prompt's
+KV came from the prefill instance. Without it the handshake is refused naming the two
+layouts and the flag; the read fails and ``kv_load_failure_policy`` applies: ``recompute``
+recomputes the prompt (still token-identical), ``fail`` ends the request with a clear
+error. A request served meanwhile is untouched either way."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import openai
+import pytest
+
+from kvferry import LLM
+from tests.helpers.pd_requests import EXTRA, check_pd_request, prompt_ids
+from tests.helpers.servers import metric, pd_serving, wait_for
+
+LONG = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024"]
+
+
+def _nixl(port: int, **top: Any) -> dict:
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_port": port,
+        "kv_connector_extra_config": {"side_channel_port": 0, "kv_lease_duration": 4.0},
+        **top,
+    }
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_factory) -> LLM:
+    return LLM(
+        model=str(tiny_model_factory("llama")),
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+    )
+
+
+def _serve(tiny_model_factory, tmp_path_factory, monkeypatch_module, p: str, d: str, **dkv: Any):
+    monkeypatch_module.setenv("UCX_NET_DEVICES", "lo")
+    logs = tmp_path_factory.mktemp(f"pd-layout-{p}-{d}")
+    return pd_serving(
+        tiny_model_factory("llama"),
+        logs,
+        _nixl(15801),
+        _nixl(15901, **dkv),
+        *LONG,
+        prefill_env={"KVFERRY_KV_CACHE_LAYOUT": p},
+        decode_env={"KVFERRY_KV_CACHE_LAYOUT": d},
+    )
+
+
+@pytest.fixture(scope="module", params=[("NHD", "HND"), ("HND", "NHD")], ids=str)
+def permuting(request, tiny_model_factory, tmp_path_factory, monkeypatch_module):
+    p, d = request.param
+    with _serve(
+        tiny_model_factory, tmp_path_factory, monkeypatch_module, p, d, enable_permute_local_kv=True
+    ) as procs:
+        yield procs
+
+
+@pytest.mark.parametrize(("length", "stream"), [(40, False), (300, True)])
+def test_decode_permutes_the_other_layout_token_identically(permuting, offline, length, stream):
+    check_pd_request(permuting, offline, prompt_ids(length, length), stream)
+    d_url = permuting["decode"].url
+    # The KV was read (not recomputed after a failed read) and permuted.
+    assert metric(d_url, "kvferry_kv_connector_total", stat="nixl_reads") >= 1
+    assert metric(d_url, "kvferry_kv_connector_total", stat="nixl_failed_reads") == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_without_permute_the_read_is_refused(
+    tiny_model_factory, tmp_path_factory, monkeypatch_module, offline, policy
+):
+    from kvferry import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with _serve(
+        tiny_model_factory,
+        tmp_path_factory,
+        monkeypatch_module,
+        "HND",
+        "NHD",
+        kv_load_failure_policy=policy,
+    ) as pd:
+        p_url, d_url = pd["prefill"].url, pd["decode"].url
+        prompts = [prompt_ids(200, 3), prompt_ids(90, 4)]
+        want = [
+            o.outputs[0].token_ids
+            for o in offline.generate([{"prompt_token_ids": x} for x in prompts], params)
+        ]
+
+        def ask(url: str, prompt: list[int]) -> Any:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            kw: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 16}
+            try:
+                choice = client.completions.create(temperature=0.0, extra_body=EXTRA, **kw)
+            except openai.APIStatusError as e:
+                return e
+            return choice.choices[0].token_ids
+
+        # A P/D request and, meanwhile, a request straight to the decode instance.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            pd_answer = pool.submit(ask, pd["proxy"].url, prompts[0])
+            plain = pool.submit(ask, d_url, prompts[1])
+            assert plain.result(timeout=120) == want[1]
+            got = pd_answer.result(timeout=120)
+        if policy == "recompute":
+            assert got == want[0]
+        else:  # the request ends with a clear error, through the proxy
+            assert isinstance(got, openai.APIStatusError) and got.status_code == 502, got
+            assert "KV cache load failed" in str(got) and "policy='fail'" in str(got)
+        # The read failed before anything moved; the prompt was recomputed.
+        wait_for(
+            lambda: metric(d_url, "kvferry_kv_connector_total", stat="nixl_failed_reads") >= 1,
+            what="the failed read in the decode instance's connector stats",
+        )
+        assert metric(d_url, "kvferry_kv_connector_total", stat="nixl_reads") == 0
+        log = pd["decode"].log.read_text()
+        assert "the prefill instance's KV cache layout is HND, this instance's is NHD" in log
+        assert '"enable_permute_local_kv": true' in log
+        # Never claimed, the prefill instance's blocks go back when the lease runs out.
+        wait_for(
+            lambda: (
+                metric(p_url, "kvferry_num_requests_held_by_connector") == 0
+                and metric(p_url, "vllm:kv_cache_usage_perc") == 0
+            ),
+            timeout=30,
+            what="the prefill instance's blocks to return to its free pool",
+        )
+        assert metric(d_url, "vllm:kv_cache_usage_perc") == 0
