@@ -10,10 +10,10 @@ owns, and the greedy argmax in the runner's sampler.
 
 Which path serves what (all on CPU):
 
-* fp32: each linear layer gets a oneDNN-packed copy of its weight. On an AVX-512 CPU it serves
-  every step (oneDNN's AVX-512 GEMMs run at over twice MKL's rate there, prefill included);
-  elsewhere it serves small steps (decode) and MKL the rest. Where torch has no oneDNN the
-  weight becomes input-major instead. Fused norm, rotary and
+* fp32: each linear layer gets a oneDNN-packed copy of its weight. On an AVX2 or AVX-512 CPU
+  it serves every step, prefill included (oneDNN's GEMMs beat MKL's on AMD CPUs, where MKL
+  takes generic kernels); below AVX2 it serves small steps (decode) and MKL the rest. Where
+  torch has no oneDNN the weight becomes input-major instead. Fused norm, rotary and
   SiLU-and-mul kernels serve the elementwise steps.
 * bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
   weight, for every step.
@@ -56,9 +56,8 @@ from kvferry.worker.malloc_tuning import tune_malloc
 
 logger = init_logger(__name__)
 
-# Without AVX-512, up to this many rows a oneDNN-packed weight beats MKL on a dense one: the
-# GEMM streams the weight from memory, and the blocked layout streams faster. Larger steps are
-# compute-bound, and there MKL's AVX2 kernels match oneDNN's.
+# Below AVX2, up to this many rows a oneDNN-packed weight beats MKL on a dense one: the GEMM
+# streams the weight from memory, and the blocked layout streams faster.
 PACKED_MAX_ROWS = 128
 # Below this many rows the half-precision GEMV is memory-bound and beats converting the weight.
 _UPCAST_MIN_ROWS = 6
@@ -112,10 +111,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_max_rows(features: CPUFeatures) -> int | None:
-    """Up to how many rows a step uses the oneDNN-packed weight (None: every step). With
-    AVX-512, oneDNN's GEMMs beat MKL's at every size (MKL picks AVX2 kernels on AMD CPUs);
-    without it, only where the step streams the weight from memory."""
-    return None if features.isa == "avx512" else PACKED_MAX_ROWS
+    """Up to how many rows a step uses the oneDNN-packed weight (None: every step). With AVX2
+    or AVX-512, oneDNN's GEMMs beat MKL's at every size measured on the AMD CPUs this runs on
+    (docs/benchmarks.md); below AVX2, only where the step streams the weight from memory."""
+    return None if features.isa in ("avx512", "avx2") else PACKED_MAX_ROWS
 
 
 def cpu_linear(

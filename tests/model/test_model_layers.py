@@ -105,12 +105,13 @@ def test_packed_fp32_linear_matches_f_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, F.linear(wide[:, :32], w, b))
 
 
-def test_packed_weight_serves_every_step_on_avx512_only() -> None:
+def test_packed_weight_serves_every_step_from_avx2_up() -> None:
     def features(isa: str) -> cpu_backend.CPUFeatures:
         return cpu_backend.CPUFeatures(model="x", flags=frozenset(), isa=isa, forced=None)  # type: ignore[arg-type]
 
     assert cpu_backend.packed_max_rows(features("avx512")) is None
-    assert cpu_backend.packed_max_rows(features("avx2")) == cpu_backend.PACKED_MAX_ROWS
+    assert cpu_backend.packed_max_rows(features("avx2")) is None
+    assert cpu_backend.packed_max_rows(features("scalar")) == cpu_backend.PACKED_MAX_ROWS
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
     packed = cpu_backend.pack_weight(w)
