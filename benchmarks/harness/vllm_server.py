@@ -118,9 +118,12 @@ def server_env(backend: str, s: ServerSettings, vllm_python: str, mp: bool) -> d
 
 
 def client_env() -> dict[str, str]:
-    """The load generator's environment (vLLM's venv, offline, no usage reports)."""
+    """The load generator's environment (vLLM's venv, offline, no usage reports). The CPU
+    platform is named: undetected, vLLM imports its default kernels, which the CPU wheel
+    builds for AVX-512 with bf16 (an AVX2-only CPU dies of SIGILL)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
     env.update(
+        VLLM_TARGET_DEVICE="cpu",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
