@@ -25,15 +25,13 @@ class PagedPrefillKernel(PagedKVKernel):
     reading keys and values straight from the pool's blocks: no gather, no mask, and key
     tiles past a query's position are never computed. The chunk's own K/V must already be in
     the pool. :meth:`supports` says whether a layer can use it (CPU, fp32 or bf16, contiguous
-    cache, head_dim a multiple of 16, at most :attr:`max_group` query heads per kv head: 16
-    where the kernel is built for AVX2, 64 for AVX-512);
+    cache, head_dim a multiple of 16, at most :attr:`max_group` (64) query heads per kv head);
     :meth:`__call__` returns ``[q_len, num_heads, head_dim]``.
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__(lib, "kvf_paged_prefill", _ARGTYPES, "paged prefill attention")
-        # Query heads per kv head that one work item can stack (ROWS in the C source: one
-        # tile of registers, so it depends on the vector width the kernel was built for).
+        # Query heads per kv head that one work item can stack (IROWS in the C source).
         lib.kvf_paged_prefill_rows.restype = ctypes.c_int
         self.max_group = int(lib.kvf_paged_prefill_rows())
 

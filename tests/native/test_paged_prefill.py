@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvferry.native.paged_prefill import load_paged_prefill
+from kvferry.native.build import CSRC, load_library
+from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
@@ -39,7 +40,7 @@ def _reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    # (16, 1, ...): a group of 16 fills a whole tile with one query's heads on AVX2
+    # (16, 1, ...): a group of 16 fills a whole register tile with one query's heads on AVX2
     [(16, 4, 64, 16), (4, 4, 32, 16), (8, 1, 64, 4), (6, 2, 128, 32), (16, 1, 64, 16)],
 )
 @pytest.mark.parametrize(
@@ -79,6 +80,44 @@ def test_matches_sdpa(
         assert (out.float() - ref.to(dtype).float()).abs().max() <= 2e-2
 
 
+def _run_case(
+    kernel: PagedPrefillKernel,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    ctx: int,
+    q_len: int,
+) -> None:
+    gen = torch.Generator().manual_seed(ctx * 1000 + q_len)
+    seq = ctx + q_len
+    nblocks = -(-seq // block_size)
+    pool = nblocks + 5
+    cache = torch.randn(2, pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    block_ids = torch.randperm(pool, generator=gen)[:nblocks].contiguous()
+    q = torch.randn(q_len, heads, head_dim, generator=gen).to(dtype)
+    out = kernel(q, cache, block_ids, ctx, head_dim**-0.5)
+    ref = _reference(q, cache, block_ids, ctx, head_dim**-0.5)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol * 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx512_tiles_match_sdpa(dtype: torch.dtype, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The AVX-512 build's tile shapes (one 64-row register tile, 4 vectors of 16), built
+    here with the vectors split by the compiler, so CPUs without AVX-512 check them too."""
+    src = tmp_path / "paged_prefill_wide.c"
+    # The whole source, not an #include: the build cache is keyed by the file's text.
+    src.write_text("#define KVF_WIDE_TILES 1\n" + (CSRC / "paged_prefill.c").read_text())
+    lib = load_library("paged_prefill_wide", source=src)
+    assert lib is not None
+    kernel = PagedPrefillKernel(lib)
+    for shape in [(16, 4, 64, 16), (8, 1, 64, 4), (6, 2, 128, 32)]:
+        for ctx, q_len in [(0, 150), (100, 29)]:
+            _run_case(kernel, dtype, *shape, ctx, q_len)
+
+
 def test_supports() -> None:
     kernel = load_paged_prefill()
     assert kernel is not None
@@ -87,8 +126,8 @@ def test_supports() -> None:
     assert not kernel.supports(cache, torch.zeros(3, 8, 64, dtype=torch.bfloat16))
     assert not kernel.supports(torch.zeros(2, 4, 16, 2, 24), torch.zeros(3, 8, 24))
     assert not kernel.supports(cache.to(torch.float16), torch.zeros(3, 8, 64).half())
-    # The query heads of one kv head share a tile of registers: 16 (AVX2) or 64 (AVX-512).
-    assert kernel.max_group in (16, 64)
+    # The query heads of one kv head share one work item of 64 rows.
+    assert kernel.max_group == 64
     one_kv_head = torch.zeros(2, 4, 16, 1, 64)
     assert kernel.supports(one_kv_head, torch.zeros(3, kernel.max_group, 64))
     assert not kernel.supports(one_kv_head, torch.zeros(3, kernel.max_group + 1, 64))

@@ -39,7 +39,9 @@
 typedef uint16_t bf16_t;
 /* A row vector is one machine register: with 16 registers of 8 floats (AVX2), tiles of
  * 16-float vectors spill their accumulators on every FMA and run >10x slower. */
-#ifdef __AVX512F__
+/* KVF_WIDE_TILES: the AVX-512 tiles anywhere (the compiler splits the vectors), so a CPU
+ * without AVX-512 can test that configuration. */
+#if defined(__AVX512F__) || defined(KVF_WIDE_TILES)
 #define VW 16 /* floats per row vector */
 #define RV 4  /* row vectors per register tile */
 #else
