@@ -52,10 +52,35 @@ class PrefillStats:
     external_cache_hit_sources: dict[str, int] = field(default_factory=dict)
     # When the first scheduling admitted it (wall clock; vLLM's ``scheduled_ts``).
     scheduled_time: float = field(default_factory=time.time)
+    # A failed KV load left the request nothing valid: it starts over, and the sources its
+    # fresh lookup finds replace these (all but scheduled_time).
+    redo_lookup: bool = False
 
     @property
     def num_cached_tokens(self) -> int:
         return self.num_local_cached_tokens + self.num_external_cached_tokens
+
+    def keep_valid_prefix(self, num_valid_tokens: int) -> None:
+        """Only the first ``num_valid_tokens`` tokens' KV survived a failed load; the rest is
+        computed again, so it counts as computed, not cached. The local hit is the start of
+        the prompt and the external hit follows it, so the external count drops first. Its
+        tiers lose the dropped tokens from the last reported tier back (a connector reports
+        no order, and this keeps the tiers summing to the external count)."""
+        num_valid = max(num_valid_tokens, 0)
+        local = min(self.num_local_cached_tokens, num_valid)
+        external = min(self.num_external_cached_tokens, num_valid - local)
+        self.num_local_cached_tokens = local
+        self.num_external_cached_tokens = external
+        excess = sum(self.external_cache_hit_sources.values()) - external
+        for tier in reversed(list(self.external_cache_hit_sources)):
+            if excess <= 0:
+                break
+            cut = min(excess, self.external_cache_hit_sources[tier])
+            excess -= cut
+            if cut == self.external_cache_hit_sources[tier]:
+                del self.external_cache_hit_sources[tier]
+            else:
+                self.external_cache_hit_sources[tier] -= cut
 
 
 class Request:
