@@ -63,24 +63,22 @@ class PrefillStats:
     def keep_valid_prefix(self, num_valid_tokens: int) -> None:
         """Only the first ``num_valid_tokens`` tokens' KV survived a failed load; the rest is
         computed again, so it counts as computed, not cached. The local hit is the start of
-        the prompt and the external hit follows it, so the external count drops first. Its
-        tiers lose the dropped tokens from the last reported tier back (a connector reports
-        no order, and this keeps the tiers summing to the external count)."""
+        the prompt and the external hit follows it, so the external count drops first. The
+        tiers keep the external count in the order the connector reported them (it reports
+        no positions), so they still sum to it."""
         num_valid = max(num_valid_tokens, 0)
         local = min(self.num_local_cached_tokens, num_valid)
         external = min(self.num_external_cached_tokens, num_valid - local)
         self.num_local_cached_tokens = local
         self.num_external_cached_tokens = external
-        excess = sum(self.external_cache_hit_sources.values()) - external
-        for tier in reversed(list(self.external_cache_hit_sources)):
-            if excess <= 0:
-                break
-            cut = min(excess, self.external_cache_hit_sources[tier])
-            excess -= cut
-            if cut == self.external_cache_hit_sources[tier]:
-                del self.external_cache_hit_sources[tier]
-            else:
-                self.external_cache_hit_sources[tier] -= cut
+        # A new dict: outputs already handed out share the old one.
+        kept: dict[str, int] = {}
+        left = external
+        for tier, n in self.external_cache_hit_sources.items():
+            if left > 0:
+                kept[tier] = min(n, left)
+                left -= kept[tier]
+        self.external_cache_hit_sources = kept
 
 
 class Request:

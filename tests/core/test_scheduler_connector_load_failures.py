@@ -252,11 +252,13 @@ def test_failed_sync_load_under_fail_reports_no_external_tokens() -> None:
     assert_no_leaks(s)
 
 
-def test_keep_valid_prefix_drops_external_first_and_trims_the_tiers_from_the_last() -> None:
-    stats = PrefillStats(60, 16, 40, {"host": 16, "disk": 24})
+def test_keep_valid_prefix_drops_external_first_and_trims_the_last_tiers() -> None:
+    reported = {"host": 16, "disk": 24}
+    stats = PrefillStats(60, 16, 40, reported)
     stats.keep_valid_prefix(40)
     assert (stats.num_local_cached_tokens, stats.num_external_cached_tokens) == (16, 24)
     assert stats.external_cache_hit_sources == {"host": 16, "disk": 8}
+    assert reported == {"host": 16, "disk": 24}  # outputs already out keep what they said
     stats.keep_valid_prefix(8)
     assert (stats.num_local_cached_tokens, stats.num_external_cached_tokens) == (8, 0)
     assert stats.external_cache_hit_sources == {}
