@@ -52,10 +52,33 @@ class PrefillStats:
     external_cache_hit_sources: dict[str, int] = field(default_factory=dict)
     # When the first scheduling admitted it (wall clock; vLLM's ``scheduled_ts``).
     scheduled_time: float = field(default_factory=time.time)
+    # A failed KV load left the request nothing valid: it starts over, and the sources its
+    # fresh lookup finds replace these (all but scheduled_time).
+    redo_lookup: bool = False
 
     @property
     def num_cached_tokens(self) -> int:
         return self.num_local_cached_tokens + self.num_external_cached_tokens
+
+    def keep_valid_prefix(self, num_valid_tokens: int) -> None:
+        """Only the first ``num_valid_tokens`` tokens' KV survived a failed load; the rest is
+        computed again, so it counts as computed, not cached. The local hit is the start of
+        the prompt and the external hit follows it, so the external count drops first. The
+        tiers keep the external count in the order the connector reported them (it reports
+        no positions), so they still sum to it."""
+        num_valid = max(num_valid_tokens, 0)
+        local = min(self.num_local_cached_tokens, num_valid)
+        external = min(self.num_external_cached_tokens, num_valid - local)
+        self.num_local_cached_tokens = local
+        self.num_external_cached_tokens = external
+        # A new dict: outputs already handed out share the old one.
+        kept: dict[str, int] = {}
+        left = external
+        for tier, n in self.external_cache_hit_sources.items():
+            if left > 0:
+                kept[tier] = min(n, left)
+                left -= kept[tier]
+        self.external_cache_hit_sources = kept
 
 
 class Request:

@@ -224,6 +224,8 @@ class Scheduler(SchedulerBase):
         """
         if request.num_computed_tokens == 0:
             self.kv_cache_manager.free(request)
+            if request.prefill_stats is not None:
+                request.prefill_stats.redo_lookup = True
         else:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
@@ -238,13 +240,18 @@ class Scheduler(SchedulerBase):
             self._fail_admission(request, decision.error or "admission failed")
         if outcome in (Admission.BLOCKED, Admission.FAILED):
             return outcome
-        if request.prefill_stats is None:
+        stats = request.prefill_stats
+        if stats is None or stats.redo_lookup:
+            # The first admission's sources; after a failed load left nothing valid, the
+            # fresh lookup's (still the first scheduling's time). Preemption keeps them.
             request.prefill_stats = PrefillStats(
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_local_cached_tokens=hit.num_local,
                 num_external_cached_tokens=hit.num_external,
                 external_cache_hit_sources=self.connector_state.take_hit_sources(request),
             )
+            if stats is not None:
+                request.prefill_stats.scheduled_time = stats.scheduled_time
         request.num_computed_tokens = decision.num_computed_tokens
         if outcome is Admission.LOADING:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -345,6 +352,9 @@ class Scheduler(SchedulerBase):
             if failure.bad_block_index is not None:
                 self.kv_cache_manager.uncache_blocks(request, failure.num_valid_tokens)
             request.num_computed_tokens = failure.num_valid_tokens
+            # Metrics: the tokens past the valid prefix are computed here, not loaded.
+            if request.prefill_stats is not None:
+                request.prefill_stats.keep_valid_prefix(failure.num_valid_tokens)
             logger.warning("KV load failed for %s: %s", request, failure.reason)
             if not self.recompute_failed_loads:
                 policy = "kv_load_failure_policy='fail'"

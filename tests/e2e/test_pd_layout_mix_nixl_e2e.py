@@ -130,6 +130,14 @@ def test_without_permute_the_read_is_refused(
             what="the failed read in the decode instance's connector stats",
         )
         assert metric(d_url, "kvferry_kv_connector_total", stat="nixl_reads") == 0
+        # Nor do the prompt-token metrics count the failed read's tokens as transferred.
+        wait_for(
+            lambda: metric(d_url, "vllm:prompt_tokens_total") == 290,
+            what="both prompts (200 + 90 tokens) in the decode instance's metrics",
+        )
+        by_source = "vllm:prompt_tokens_by_source_total"
+        assert metric(d_url, by_source, source="external_kv_transfer") == 0
+        assert metric(d_url, by_source, source="local_compute") == 290
         log = pd["decode"].log.read_text()
         assert "the prefill instance's KV cache layout is HND, this instance's is NHD" in log
         assert '"enable_permute_local_kv": true' in log

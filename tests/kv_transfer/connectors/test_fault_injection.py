@@ -13,9 +13,11 @@ from typing import Any, cast
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvferry import LLM, SamplingParams
 from kvferry.config import ConfigError, EngineConfig, KVTransferConfig
+from kvferry.entrypoints.metrics import ServerMetrics
 from kvferry.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvferry.kv_transfer.base import KVConnectorRole
 from kvferry.kv_transfer.connectors.fault_injection import (
@@ -110,6 +112,19 @@ def stores(model_dir, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def _prompt_tokens_by_source(outs: list[Any]) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source`` as the server would publish it for ``outs``."""
+    metrics = ServerMetrics("tiny")
+    for out in outs:
+        metrics.record_finished(out)
+    (family,) = [
+        f
+        for f in text_string_to_metric_families(metrics.render().decode())
+        if f.name == "vllm:prompt_tokens_by_source"
+    ]
+    return {s.labels["source"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
 def _worker(llm: LLM) -> FaultInjectionConnector:
     connector = llm.engine.executor.worker.kv_connector
     assert isinstance(connector, FaultInjectionConnector)
@@ -123,7 +138,16 @@ def test_bad_loads_recompute_to_identical_outputs(model_dir, reference, stores, 
     outs = _run(llm)
     assert [list(o.outputs[0].token_ids) for o in outs] == reference
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    assert len(_worker(llm).sabotaged_req_ids) == 2
+    sabotaged = _worker(llm).sabotaged_req_ids
+    assert len(sabotaged) == 2
+    # The sabotaged loads' tokens were computed here: no request counts them as transferred.
+    for o in outs:
+        if o.request_id in sabotaged:
+            assert o.metrics.num_external_cached_tokens == 0 and o.num_cached_tokens == 0
+    by_source = _prompt_tokens_by_source(outs)
+    external = sum(o.metrics.num_external_cached_tokens for o in outs)
+    assert 0 < by_source["external_kv_transfer"] == external
+    assert sum(by_source.values()) == sum(len(p) for p in PROMPTS)
     stats = _drain_and_check(llm)
     assert stats[f"injected_{'failed' if fault == 'fail_loads' else 'corrupted'}_loads"] == 2
 
