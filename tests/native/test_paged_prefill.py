@@ -59,6 +59,19 @@ def test_matches_sdpa(
 ) -> None:
     kernel = load_paged_prefill()
     assert kernel is not None
+    _check_case(kernel, dtype, heads, kv_heads, head_dim, block_size, ctx, q_len)
+
+
+def _check_case(
+    kernel: PagedPrefillKernel,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    ctx: int,
+    q_len: int,
+) -> None:
     gen = torch.Generator().manual_seed(ctx * 1000 + q_len)
     seq = ctx + q_len
     nblocks = -(-seq // block_size)
@@ -80,29 +93,6 @@ def test_matches_sdpa(
         assert (out.float() - ref.to(dtype).float()).abs().max() <= 2e-2
 
 
-def _run_case(
-    kernel: PagedPrefillKernel,
-    dtype: torch.dtype,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    ctx: int,
-    q_len: int,
-) -> None:
-    gen = torch.Generator().manual_seed(ctx * 1000 + q_len)
-    seq = ctx + q_len
-    nblocks = -(-seq // block_size)
-    pool = nblocks + 5
-    cache = torch.randn(2, pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    block_ids = torch.randperm(pool, generator=gen)[:nblocks].contiguous()
-    q = torch.randn(q_len, heads, head_dim, generator=gen).to(dtype)
-    out = kernel(q, cache, block_ids, ctx, head_dim**-0.5)
-    ref = _reference(q, cache, block_ids, ctx, head_dim**-0.5)
-    tol = 2e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol * 5)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx512_tiles_match_sdpa(dtype: torch.dtype, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The AVX-512 build's tile shapes (one 64-row register tile, 4 vectors of 16), built
@@ -115,7 +105,7 @@ def test_avx512_tiles_match_sdpa(dtype: torch.dtype, tmp_path) -> None:  # type:
     kernel = PagedPrefillKernel(lib)
     for shape in [(16, 4, 64, 16), (8, 1, 64, 4), (6, 2, 128, 32)]:
         for ctx, q_len in [(0, 150), (100, 29)]:
-            _run_case(kernel, dtype, *shape, ctx, q_len)
+            _check_case(kernel, dtype, *shape, ctx, q_len)
 
 
 def test_supports() -> None:
