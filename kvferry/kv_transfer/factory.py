@@ -165,7 +165,7 @@ def resolve_kv_cache_layout(config: EngineConfig) -> KVCacheLayout:
     if layout is None:
         raise ConfigError(
             f"KVFERRY_KV_CACHE_LAYOUT={override!r} is not a KV cache layout; "
-            f"choose one of {_known_layouts()}"
+            f"choose one of {supported_layout_names()}"
         )
     if required is not None and required is not layout:
         raise ConfigError(
@@ -173,10 +173,6 @@ def resolve_kv_cache_layout(config: EngineConfig) -> KVCacheLayout:
             f"{required.value!r} KV cache layout; unset the variable or set it to {required.value}"
         )
     return layout
-
-
-def _known_layouts() -> str:
-    return supported_layout_names()
 
 
 def _override_hint() -> str:

@@ -3,8 +3,9 @@
 Each layer's cache has shape ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (index 0
 keys, 1 values), its memory in either layout of :mod:`kvferry.kv_layout`. A forward writes
 the step's new K/V at ``slot_mapping`` and then attends following the plan in
-:class:`~kvferry.model.attention_metadata.AttentionMetadata`. Only device-agnostic torch ops are used, so the same code runs on CPU and CUDA, except for the
-decode and prefill kernels that the runner's workspace may offer.
+:class:`~kvferry.model.attention_metadata.AttentionMetadata`. Only device-agnostic torch ops
+are used, so the same code runs on CPU and CUDA, except for the decode and prefill kernels
+that the runner's workspace may offer.
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 #define ROWS (VW * RV)      /* rows of one register tile */
 #define IROWS 64            /* rows of one work item */
-#define RT (IROWS / ROWS)   /* register tiles per item */
 #define KT 24               /* keys per tile */
 #define KS 6                /* keys per scores micro-kernel: KS x RV accumulators */
 #define KV 6                /* value dims per values micro-kernel */
@@ -212,10 +211,10 @@ static void softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t
 }
 
 /* Per-thread scratch, all fp32. Rows are (query, head) pairs of the item, IROWS of them in
- * RT register tiles; each tile's arrays are contiguous. */
+ * IROWS / ROWS register tiles; each tile's arrays are contiguous. */
 typedef struct {
-    float *qt;    /* [RT][d][ROWS] scaled queries, transposed */
-    float *ot;    /* [RT][d][ROWS] unnormalised output, transposed */
+    float *qt;    /* [IROWS / ROWS][d][ROWS] scaled queries, transposed */
+    float *ot;    /* [IROWS / ROWS][d][ROWS] unnormalised output, transposed */
     float *s;     /* [KT][ROWS] scores, then probabilities (one tile at a time) */
     float *m, *l, *alpha; /* [IROWS] running max, running sum, this tile's rescale */
     float *kb, *vb;       /* [KT][d] widened key and value tiles (bf16 only) */
