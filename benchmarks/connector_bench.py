@@ -5,7 +5,9 @@
    each connector's loss is paired with the no-connector run of its round, and the median of
    those paired losses is reported with a bootstrap interval. A no-op connector's row is the
    protocol's own cost; the 'connector time' column (wall time of all connector calls on the
-   engine thread) is each connector's cost independent of machine noise. Target: <= 2% loss.
+   engine thread) is each connector's cost independent of machine noise, and the page-fault
+   column (fresh zeroed pages mapped during a run) shows memory the run did not reuse.
+   Target: <= 2% loss.
 2. TTFT of a 2k-token prompt on the ~140M model: ExampleConnector hit (a fresh engine, empty
    local prefix cache, on a folder that holds the prompt) vs recompute. Target: hit >= 5x.
 
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import shutil
 import statistics
 import sys
@@ -83,6 +86,12 @@ def _configs(tmp: Path) -> dict[str, dict[str, Any] | None]:
     }
 
 
+def _minor_faults() -> int:
+    """Page faults the process took without I/O so far: each one maps a fresh zeroed page
+    (first touch of new heap or pool memory), which slows whatever op touches it."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def overhead(model: Path, dtype: str, num: int, max_tokens: int, rounds: int) -> dict[str, Any]:
     """Every round runs the same fresh prompts on every engine, in alternating order; each
     connector's loss is paired with the no-connector run of its own round."""
@@ -95,6 +104,7 @@ def overhead(model: Path, dtype: str, num: int, max_tokens: int, rounds: int) ->
     hooks = {name: HookTimer(llm) for name, llm in engines.items() if name != "none"}
     times: dict[str, list[float]] = {name: [] for name in engines}
     main_cpu: dict[str, list[float]] = {name: [] for name in engines}
+    faults: dict[str, list[int]] = {name: [] for name in engines}
     side_cpu = dict.fromkeys(engines, 0.0)
     hook_s = dict.fromkeys(engines, 0.0)
     tokens = 0
@@ -107,9 +117,11 @@ def overhead(model: Path, dtype: str, num: int, max_tokens: int, rounds: int) ->
             llm.engine.scheduler.reset_prefix_cache()
             h0 = hooks[name].total if name in hooks else 0.0
             s0 = side_thread_cpu()
+            f0 = _minor_faults()
             c0 = time.thread_time()
             elapsed, out = _run(llm, prompts, max_tokens)
             main_cpu[name].append(time.thread_time() - c0)
+            faults[name].append(_minor_faults() - f0)
             side_cpu[name] += side_cpu_delta(s0, side_thread_cpu())
             hook_s[name] += (hooks[name].total if name in hooks else 0.0) - h0
             times[name].append(elapsed)
@@ -130,6 +142,7 @@ def overhead(model: Path, dtype: str, num: int, max_tokens: int, rounds: int) ->
             "engine_thread_cpu_loss": paired_summary(
                 [c / o - 1 for c, o in zip(main_cpu[name], main_cpu["none"], strict=True)]
             ),
+            "minor_faults": faults[name],
             "hook_share": hook_s[name] / base_s,
             "side_thread_cpu_share": side_cpu[name] / base_s,
             "hooks": {
@@ -206,6 +219,7 @@ def overhead_report(ov: dict[str, Any], model_name: str) -> str:
                 f"{r['tok_s']:.1f}",
                 f"{_pct(p['median'])} [{_pct(p['ci95'][0])}, {_pct(p['ci95'][1])}]",
                 _pct(c["median"]),
+                f"{statistics.median(r['minor_faults']):,.0f}",
                 f"{100 * r['hook_share']:.2f}%",
                 f"{100 * r['side_thread_cpu_share']:.2f}%",
             ]
@@ -220,6 +234,8 @@ def overhead_report(ov: dict[str, Any], model_name: str) -> str:
                 "output tok/s",
                 "loss vs none: median of paired rounds [95% bootstrap]",
                 "engine-thread CPU vs none",
+                "page faults per run (none: "
+                f"{statistics.median(ov['rows']['none']['minor_faults']):,.0f})",
                 "connector time",
                 "connector threads' CPU",
             ],

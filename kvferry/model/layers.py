@@ -169,6 +169,9 @@ class GatedMLP(nn.Module):
     activation into one pass with ``fused`` ops)."""
 
     fused: FusedOps | None = None
+    # At most this many rows of a 2-D input per pass (None: all); set by a backend that wants
+    # the ``2 * intermediate``-wide buffer kept small.
+    chunk_rows: int | None = None
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
@@ -177,6 +180,15 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step = self.chunk_rows
+        if step is None or x.dim() != 2 or x.shape[0] <= step:
+            return self._rows(x)
+        out = x.new_empty(x.shape[0], self.down_proj.out_features)
+        for i in range(0, x.shape[0], step):
+            out[i : i + step] = self._rows(x[i : i + step])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused is not None and self.fused.supports(gate_up):
             return self.down_proj(self.fused.silu_mul(gate_up))

@@ -63,6 +63,10 @@ PACKED_MAX_ROWS = 128
 _UPCAST_MIN_ROWS = 6
 # Target size of one decode gather: small enough to stay in the last-level cache.
 DECODE_GATHER_BYTES = 4 << 20
+# Largest gate/up buffer of one MLP pass. glibc serves blocks of 32 MiB and up with a fresh
+# mmap (its highest threshold), so a 2,048-row prefill's gate/up output (32 MiB on a 2,048-wide
+# fp32 MLP) page-faulted in every layer of every step; smaller passes reuse heap memory.
+MLP_CHUNK_BYTES = 16 << 20
 
 
 # Up to this many rows the bf16 C kernel beats widening the weight to fp32 for the call on a
@@ -265,11 +269,15 @@ class CPUBackend:
         for module in model.modules():
             if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
                 module.fused = self.fused_ops
+            if isinstance(module, GatedMLP):
+                row_bytes = 2 * module.intermediate * self.dtype.itemsize
+                module.chunk_rows = max(1, MLP_CHUNK_BYTES // row_bytes)
         self.paths.update(
             fused_ops="c" if self.fused_ops is not None else "torch",
             decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",
             prefill_attention="c-paged" if self.prefill_kernel is not None else "torch",
             argmax="c" if self.argmax is not None else "torch",
+            mlp_chunk=f"{MLP_CHUNK_BYTES >> 20}MiB",
             malloc=tune_malloc(envs.malloc_tuning()),
         )
         logger.info(fmt_fields("CPU paths", dtype=_name(self.dtype), **self.describe()))
