@@ -150,8 +150,8 @@ def test_events_announce_what_the_store_holds(model_dir, reference, mooncake_mas
     pub = RecordingPublisher()
     sched.kv_event_publisher = pub
     outputs, _ = generate(llm, PROMPTS)
+    drain(llm)  # stores still in flight when generate() returns complete here
     keys = list(_scheduler(llm).stored_keys)
-    drain(llm)
     assert outputs == reference
     events = pub.take()
     stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "cpu"]
