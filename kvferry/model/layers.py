@@ -169,9 +169,9 @@ class GatedMLP(nn.Module):
     activation into one pass with ``fused`` ops)."""
 
     fused: FusedOps | None = None
-    # At most this many rows of a 2-D input per pass (None: all); set by a backend that wants
-    # the ``2 * intermediate``-wide buffer kept small.
-    chunk_rows: int | None = None
+    # Largest gate/up buffer of one pass over a 2-D input (None: one pass); set by a backend
+    # that wants it kept small, the rows per pass follow from the input's dtype.
+    max_pass_bytes: int | None = None
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
@@ -180,8 +180,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step = self.chunk_rows
-        if step is None or x.dim() != 2 or x.shape[0] <= step:
+        if self.max_pass_bytes is None or x.dim() != 2:
+            return self._rows(x)
+        step = max(1, self.max_pass_bytes // (2 * self.intermediate * x.element_size()))
+        if x.shape[0] <= step:
             return self._rows(x)
         out = x.new_empty(x.shape[0], self.down_proj.out_features)
         for i in range(0, x.shape[0], step):

@@ -270,8 +270,7 @@ class CPUBackend:
             if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
                 module.fused = self.fused_ops
             if isinstance(module, GatedMLP):
-                row_bytes = 2 * module.intermediate * self.dtype.itemsize
-                module.chunk_rows = max(1, MLP_CHUNK_BYTES // row_bytes)
+                module.max_pass_bytes = MLP_CHUNK_BYTES
         self.paths.update(
             fused_ops="c" if self.fused_ops is not None else "torch",
             decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",

@@ -17,7 +17,7 @@ def test_chunked_rows_match_one_pass() -> None:
     x = torch.randn(50, 32)
     with torch.inference_mode():
         whole = mlp(x)
-        mlp.chunk_rows = 7
+        mlp.max_pass_bytes = 7 * 2 * 48 * 4  # 7 rows of fp32 gate/up
         chunked = mlp(x)
         small = mlp(x[:5])  # under one chunk: one pass
         batched = mlp(x.view(5, 10, 32))  # not 2-D: one pass
@@ -34,7 +34,7 @@ from kvferry.worker.malloc_tuning import tune_malloc
 tune_malloc(True)
 mlp = GatedMLP(1024, 2048).eval()  # the `mid` benchmark model's MLP
 if sys.argv[1] == "chunked":
-    mlp.chunk_rows = MLP_CHUNK_BYTES // (2 * 2048 * 4)
+    mlp.max_pass_bytes = MLP_CHUNK_BYTES  # as the CPU backend sets it
 x = torch.randn(2048, 1024)  # one full 2,048-token prefill step
 with torch.inference_mode():
     for _ in range(2):
