@@ -65,9 +65,7 @@ def offline(tiny_model_factory):
     llm.shutdown()
 
 
-def _serve(
-    tiny_model_factory, tmp_path_factory, monkeypatch_module, case, port, **dkv: object
-):
+def _serve(tiny_model_factory, tmp_path_factory, monkeypatch_module, case, port, **dkv: object):
     connector, a, p_layout, b, d_layout = case
     monkeypatch_module.setenv("UCX_NET_DEVICES", "lo")
     logs = tmp_path_factory.mktemp(f"pd-{connector}-tp{a}{p_layout}-tp{b}{d_layout}")
