@@ -9,9 +9,10 @@ rewrites each received block into its own order before the request runs
 fails and ``kv_load_failure_policy`` applies. vLLM permutes only an HND prefill into an NHD
 decode; the permutation is its own inverse here, so kvferry also takes the reverse.
 
-Between different tensor-parallel sizes a rank reads head slices of the peer's blocks, which
-arrive in the peer's order in pieces; permuting those is not done, so there the layouts must
-agree.
+Between different tensor-parallel sizes a rank reads head slices of the peer's blocks
+(:mod:`.tp_slices`), placed in the local blocks in the peer's order; once every source rank's
+slices are in, those blocks are whole in the peer's order and are permuted the same way (the
+flag is needed there too, as in vLLM).
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from kvferry.kv_layout import KVCacheLayout, physical
 from kvferry.kv_transfer.connectors.pd.codec import ProtocolError
 
 
-def check_peer_layout(
-    local: KVCacheLayout, remote: str, *, permute_local_kv: bool, same_tp: bool
-) -> bool:
+def check_peer_layout(local: KVCacheLayout, remote: str, *, permute_local_kv: bool) -> bool:
     """Whether blocks read from a peer whose pool is in layout ``remote`` must be permuted
     into ``local``; raises ProtocolError when such a peer cannot be read."""
     if remote == local.value:
@@ -35,12 +34,6 @@ def check_peer_layout(
             f'{local.value}; set "enable_permute_local_kv": true in this decode instance\'s '
             f"kv_transfer_config to permute received blocks into {local.value}, or run both "
             "instances with one layout (KVFERRY_KV_CACHE_LAYOUT)"
-        )
-    if not same_tp:
-        raise ProtocolError(
-            f"the prefill instance's KV cache layout is {remote}, this instance's is "
-            f"{local.value}, and their tensor-parallel sizes differ: head-sliced reads are "
-            "not permuted; run both instances with one layout (KVFERRY_KV_CACHE_LAYOUT)"
         )
     return True
 

@@ -300,7 +300,6 @@ class PeerClient:
             self.kv_layout,
             reply.kv_cache_layout,
             permute_local_kv=self.permute_local_kv,
-            same_tp=remote_tp == self.tp_size,
         )
         return reply
 

@@ -253,6 +253,8 @@ class Reader:
         if remote.tp_size == tp:
             leg.handle, _ = self.transport.read(peer, spec.local_block_ids, remote_ids, notif)
             return
+        # Head slices land in the peer's order; with the other layout the blocks are
+        # permuted once every leg is in (_report), as whole-block reads are.
         sl = head_slice(rank, tp, leg.source, remote.tp_size, self.local, peer.layout)
         local, far, n = pieces(self.local, peer.layout, spec.local_block_ids, remote_ids, sl)
         leg.handle, _ = self.transport.read_pieces(peer, local, far, n, notif)

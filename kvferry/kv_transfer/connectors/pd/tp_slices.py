@@ -12,14 +12,24 @@ holding the KV heads ``[r * H / tp, (r + 1) * H / tp)`` of the model's H. With a
 
 A head range of a block is one contiguous piece per token in an NHD pool (heads vary faster
 than tokens), and one piece per block in an HND pool (each head's rows of a block are
-together; both sides share the layout, which the compatibility hash names), so the bytes move
-as *pieces*: one (local address, remote address, length) per (layer, K|V, block[, token]),
-read straight into place. We chose that over reading whole remote blocks into
-a staging area and copying the heads out: it needs no extra registered memory, no copy on the
-engine thread, and no staging capacity that a long prompt could exceed (and wait or fail
-on); the descriptors exist only per transfer (never one per token of the whole pool). The
-price is ``block_size`` times as many, smaller descriptors as an equal-TP read; the equal-TP
-path keeps its whole-block descriptors.
+together), so the bytes move as *pieces*: one (local address, remote address, length) per
+(layer, K|V, block[, token]), read straight into place. We chose that over reading whole
+remote blocks into a staging area and copying the heads out: it needs no extra registered
+memory, no copy on the engine thread, and no staging capacity that a long prompt could
+exceed (and wait or fail on); the descriptors exist only per transfer (never one per token of
+the whole pool). The price is ``block_size`` times as many, smaller descriptors as an
+equal-TP read (NHD); the equal-TP path keeps its whole-block descriptors.
+
+The pieces follow the *prefill* pool's order, the order the bytes arrive in: the local block
+is addressed as if it had the peer's layout (its head range per token, or per block), so once
+every source rank's READ is complete it holds this rank's heads whole, in the peer's order.
+With one layout on both sides that is the local order. With the other layout (NHD prefill
+and HND decode or the reverse, admitted with ``enable_permute_local_kv``) the decode side
+then permutes the blocks in place, as at equal TP (:mod:`.layout_match`). Reading straight
+into the local order instead would need one piece per (token, head) row of ``head_dim``
+elements (the two orders share no longer run): per block, ``h`` times the pieces of an NHD
+prefill's READ and ``block_size * h`` times those of an HND one (``h`` the heads a piece
+carries), each a few hundred bytes, to save one copy of the blocks in device memory.
 """
 
 from __future__ import annotations
@@ -51,8 +61,8 @@ def remote_block_bytes(local_block_bytes: int, tp: int, remote_tp: int) -> int:
 
 @dataclass(frozen=True)
 class HeadSlice:
-    """The bytes of one token row that move: ``length`` bytes at ``local_off`` in our row
-    and at ``remote_off`` in the prefill rank's row."""
+    """The bytes of one row (a token's, or an HND block's) that move: ``length`` bytes at
+    ``local_off`` in our row and at ``remote_off`` in the prefill rank's row."""
 
     local_off: int
     remote_off: int
@@ -62,7 +72,7 @@ class HeadSlice:
 def head_slice(
     rank: int, tp: int, source: int, remote_tp: int, local: KVLayout, remote: KVLayout
 ) -> HeadSlice:
-    rows = _rows_per_block(local)
+    rows = _rows_per_block(remote)
     local_tok = local.block_bytes // rows
     remote_tok = remote.block_bytes // rows
     if tp > remote_tp:  # our heads are a share of the source rank's
@@ -71,9 +81,10 @@ def head_slice(
     return HeadSlice((source - rank * k) * remote_tok, 0, remote_tok)
 
 
-def _rows_per_block(local: KVLayout) -> int:
-    """The pieces a block's head range comes in: a token row each (NHD), or one (HND)."""
-    return 1 if local.heads_outer else local.block_size
+def _rows_per_block(remote: KVLayout) -> int:
+    """The pieces a block's head range comes in, in the prefill pool's order (which the
+    local block takes until it is permuted): a token row each (NHD), or one (HND)."""
+    return 1 if remote.heads_outer else remote.block_size
 
 
 def _addrs(layout: KVLayout, block_ids: list[int], offset: int, rows: int) -> np.ndarray:
@@ -101,13 +112,15 @@ def pieces(
     sl: HeadSlice,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(local addresses, remote addresses, piece length) of a head-sliced READ, one piece per
-    (layer, K|V, block, token) (HND: per (layer, K|V, block)), the same order on both sides."""
+    (layer, K|V, block, token) (an HND prefill pool: per (layer, K|V, block)), the same order
+    on both sides. The bytes land in ``remote``'s order inside the local blocks."""
     if len(local_ids) != len(remote_ids) or not local_ids:
         raise ValueError("a READ needs as many local as remote blocks, at least one")
     if local.block_size != remote.block_size or local.num_layers != remote.num_layers:
         raise ValueError("the two pools differ in block size or layer count")
+    rows = _rows_per_block(remote)
     return (
-        _addrs(local, local_ids, sl.local_off, _rows_per_block(local)),
-        _addrs(remote, remote_ids, sl.remote_off, _rows_per_block(local)),
+        _addrs(local, local_ids, sl.local_off, rows),
+        _addrs(remote, remote_ids, sl.remote_off, rows),
         sl.length,
     )

@@ -41,8 +41,8 @@ class KVLayout:
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int
     base_addrs: tuple[int, ...]
-    # HND pool: inside a block each head's rows are together. A peer's layout is ours (the
-    # compatibility hash names it), so a peer's KVLayout leaves it at the default.
+    # HND pool: inside a block each head's rows are together. A peer's comes from the
+    # layout its handshake names (which may differ from ours, see .layout_match).
     heads_outer: bool = False
 
     @staticmethod
@@ -83,6 +83,7 @@ class KVLayout:
             info.mem_type,
             info.device_id,
             tuple(info.base_addrs),
+            heads_outer=info.kv_cache_layout == "HND",
         )
 
     @property

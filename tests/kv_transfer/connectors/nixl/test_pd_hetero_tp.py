@@ -4,14 +4,13 @@ with memmove between real tensors), multi-reader holds, and the params' TP check
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-
+import numpy as np
 import pytest
 import torch
 
-from kvferry.kv_layout import KVCacheLayout
+from kvferry.kv_layout import KVCacheLayout, physical
 from kvferry.kv_transfer.connectors.pd import handshake as hs
+from kvferry.kv_transfer.connectors.pd.layout_match import BlockPermuter
 from kvferry.kv_transfer.connectors.pd.lease import LeaseTable
 from kvferry.kv_transfer.connectors.pd.params import ParamsError, parse_remote
 from kvferry.kv_transfer.connectors.pd.tp_slices import (
@@ -62,37 +61,103 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-@pytest.mark.parametrize("layout", list(KVCacheLayout))
+def _as_peer(caches: dict[str, torch.Tensor], layout: KVCacheLayout, tp: int, rank: int):
+    """A prefill rank's KVLayout as the decode side builds it from the handshake."""
+    own = KVLayout.of_caches(caches)
+    info = hs.AgentInfo(
+        "P", f"agent-P{rank}", b"md", rank, tp, own.block_size, own.num_blocks,
+        own.block_bytes, "DRAM", 0, list(own.base_addrs), kv_cache_layout=layout.value,
+    )  # fmt: skip
+    return KVLayout.of_peer(info)
+
+
+def _byte_regions(pools: list[dict[str, torch.Tensor]]) -> list[tuple[int, np.ndarray]]:
+    """(base address, the tensor's bytes in memory order as a writable numpy view) of every
+    layer tensor of ``pools``."""
+    out = []
+    for caches in pools:
+        for t in caches.values():
+            flat = physical(t).numpy().reshape(-1).view(np.uint8)
+            assert flat.ctypes.data == t.data_ptr()  # a view of the pool, not a copy
+            out.append((t.data_ptr(), flat))
+    return out
+
+
+def _at(regions: list[tuple[int, np.ndarray]], addr: int, n: int) -> np.ndarray:
+    """The ``n`` bytes at ``addr``; fails unless they lie inside one registered tensor."""
+    for base, flat in regions:
+        if base <= addr and addr + n <= base + flat.size:
+            return flat[addr - base : addr - base + n]
+    raise AssertionError(f"{n} bytes at {addr:#x} are outside every pool tensor")
+
+
+# (prefill TP, decode TP): one decode rank reading several prefill ranks and the reverse.
+RATIOS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 8), (8, 2)]
+LAYOUT_PAIRS = [(p, d) for p in KVCacheLayout for d in KVCacheLayout]
+
+
 @pytest.mark.parametrize(
-    ("a", "b"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 8), (8, 2)]
+    ("p_layout", "d_layout"), LAYOUT_PAIRS, ids=[f"{p.value}-to-{d.value}" for p, d in LAYOUT_PAIRS]
 )
-def test_pieces_put_every_head_in_place(a: int, b: int, layout: KVCacheLayout) -> None:
+@pytest.mark.parametrize(("a", "b"), RATIOS)
+def test_pieces_put_every_head_in_place(
+    a: int, b: int, p_layout: KVCacheLayout, d_layout: KVCacheLayout
+) -> None:
+    """Prefill TP ``a`` in ``p_layout``, decode TP ``b`` in ``d_layout``: the pieces, copied
+    byte by byte (numpy, with bounds checks), then the permutation the decode side runs when
+    the layouts differ, leave every decode rank's blocks equal to its heads of the model's KV
+    (and no other block touched)."""
     torch.manual_seed(0)
     full = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
-    prefill, decode = _pools(a, full, layout), _pools(b, None, layout)
+    prefill, decode = _pools(a, full, p_layout), _pools(b, None, d_layout)
+    src_bytes, dst_bytes = _byte_regions(prefill), _byte_regions(decode)
     remote_ids, local_ids = [4, 1, 2], [0, 5, 3]
     for r in range(b):
         local = KVLayout.of_caches(decode[r])
-        assert local.heads_outer == (layout is KVCacheLayout.HND)  # also with one head
+        assert local.heads_outer == (d_layout is KVCacheLayout.HND)  # also with one head
         for s in source_ranks(r, b, a):
-            # As a handshake builds it: the peer's layout is ours (the compatibility hash).
-            remote = KVLayout.of_caches(prefill[s])
-            remote = dataclasses.replace(remote, heads_outer=False)
+            remote = _as_peer(prefill[s], p_layout, a, s)
+            assert remote.heads_outer == (p_layout is KVCacheLayout.HND)
             assert remote.block_bytes == remote_block_bytes(local.block_bytes, b, a)
             sl = head_slice(r, b, s, a, local, remote)
             dst, src, n = pieces(local, remote, local_ids, remote_ids, sl)
-            assert len(dst) == L * 2 * len(local_ids) * (1 if local.heads_outer else BS)
+            # The pieces follow the prefill pool's order: a head range per token, or per block.
+            rows = 1 if remote.heads_outer else BS
+            assert len(dst) == len(src) == L * 2 * len(local_ids) * rows
+            assert n == min(local.block_bytes, remote.block_bytes) // rows
             for d_addr, s_addr in zip(dst, src, strict=True):
-                ctypes.memmove(int(d_addr), int(s_addr), n)
-    n = H // b
+                _at(dst_bytes, int(d_addr), n)[:] = _at(src_bytes, int(s_addr), n)
+        if p_layout is not d_layout:  # what the reader does once every leg is in
+            BlockPermuter(decode[r], d_layout).to_local(local_ids)
+    n_heads = H // b
     for r in range(b):
         for layer in range(L):
             got = decode[r][f"l{layer}"]
-            want = full[layer][:, :, :, r * n : (r + 1) * n, :]
+            want = full[layer][:, :, :, r * n_heads : (r + 1) * n_heads, :]
             for lb, rb in zip(local_ids, remote_ids, strict=True):
                 assert torch.equal(got[:, lb], want[:, rb])
             untouched = [i for i in range(NB) if i not in local_ids]
             assert not got[:, untouched].any()
+
+
+def test_without_the_permute_a_mixed_layout_block_holds_the_peers_order() -> None:
+    """The permute step is what makes a mixed-layout read right (the check above is not
+    vacuous): before it, an HND prefill's slices sit in NHD decode blocks in HND order."""
+    torch.manual_seed(1)
+    full = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
+    prefill = _pools(1, full, KVCacheLayout.HND)
+    decode = _pools(2, None, KVCacheLayout.NHD)
+    local, remote = KVLayout.of_caches(decode[0]), _as_peer(prefill[0], KVCacheLayout.HND, 1, 0)
+    dst, src, n = pieces(local, remote, [2], [2], head_slice(0, 2, 0, 1, local, remote))
+    regions_d, regions_p = _byte_regions(decode), _byte_regions(prefill)
+    for d_addr, s_addr in zip(dst, src, strict=True):
+        _at(regions_d, int(d_addr), n)[:] = _at(regions_p, int(s_addr), n)
+    got, want = decode[0]["l0"][:, 2], full[0][:, 2, :, : H // 2]
+    assert not torch.equal(got, want)
+    # The NHD block's bytes (its memory order is the logical one) are in (head, token) order.
+    assert torch.equal(got.reshape(2, -1), want.transpose(1, 2).reshape(2, -1))
+    BlockPermuter(decode[0], KVCacheLayout.NHD).to_local([2])
+    assert torch.equal(decode[0]["l0"][:, 2], want)
 
 
 def _claim(agent: str, readers: int, reader: str = "D") -> hs.ClaimRequest:
@@ -216,7 +281,17 @@ class _PieceTransport:
         pass
 
 
-def _two_source_reader(transport: _PieceTransport) -> object:
+class _RecordingPermuter:
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def to_local(self, block_ids: list[int]) -> None:
+        self.calls.append(list(block_ids))
+
+
+def _two_source_reader(
+    transport: _PieceTransport, peer_layout: str = "NHD", permuter: object = None
+) -> object:
     import collections
     import time
     from concurrent.futures import Future
@@ -232,11 +307,21 @@ def _two_source_reader(transport: _PieceTransport) -> object:
     stats: dict[str, float] = collections.defaultdict(float)
     codec = hs.Codec(hs.Compat("x"))
     reader = Reader(
-        transport, local, codec, zmq.Context(), "D", NixlOptions(handshake_timeout=0.1), stats
+        transport,
+        local,
+        codec,
+        zmq.Context(),
+        "D",
+        NixlOptions(handshake_timeout=0.1),
+        stats,
+        permuter=permuter,
     )  # type: ignore[arg-type]
     legs = []
     for rank in (0, 1):
-        info = hs.AgentInfo("P", f"agent-P{rank}", b"md", rank, 2, 16, 32, 512, "DRAM", 0, [8192])
+        info = hs.AgentInfo(
+            "P", f"agent-P{rank}", b"md", rank, 2, 16, 32, 512, "DRAM", 0, [8192],
+            kv_cache_layout=peer_layout,
+        )  # fmt: skip
         prep: Future[object] = Future()
         prep.set_result((info, time.monotonic() + 60))
         legs.append(_Leg(rank, prep))  # type: ignore[arg-type]
@@ -260,5 +345,27 @@ def test_a_read_from_several_prefill_ranks_fails_as_a_whole(fail_rank: int | Non
         }
         if fail_rank is None:
             assert len(transport.posted) == 2 and reader.stats["reads"] == 1  # type: ignore[attr-defined]
+    finally:
+        reader.shutdown()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fail_rank", [None, 1])
+def test_a_mixed_layout_read_from_several_ranks_is_permuted_once_all_legs_are_in(
+    fail_rank: int | None,
+) -> None:
+    """An HND prefill at TP=2, this NHD engine at TP=1 with a permuter: each leg is one piece
+    per (layer, K|V, block) of its head, and the blocks are permuted once, after both legs
+    (never after a failed read)."""
+    transport, permuter = _PieceTransport(fail_rank), _RecordingPermuter()
+    reader = _two_source_reader(transport, "HND", permuter)
+    try:
+        reader.poll()  # type: ignore[attr-defined]
+        done, failed = reader.take()  # type: ignore[attr-defined]
+        assert done == {"r"} and failed == (set() if fail_rank is None else {"r"})
+        assert {(name, n, size) for name, n, size in transport.posted} <= {
+            ("agent-P0", 2 * 2, 512),
+            ("agent-P1", 2 * 2, 512),
+        }
+        assert permuter.calls == ([[3, 4]] if fail_rank is None else [])
     finally:
         reader.shutdown()  # type: ignore[attr-defined]

@@ -44,10 +44,43 @@ def test_received_blocks_become_the_local_order(remote, local):
 
 
 def test_handshake_admits_layouts():
-    assert check_peer_layout(NHD, "NHD", permute_local_kv=False, same_tp=False) is False
-    assert check_peer_layout(HND, "NHD", permute_local_kv=True, same_tp=True) is True
-    assert check_peer_layout(NHD, "HND", permute_local_kv=True, same_tp=True) is True
+    assert check_peer_layout(NHD, "NHD", permute_local_kv=False) is False
+    assert check_peer_layout(HND, "HND", permute_local_kv=True) is False
+    assert check_peer_layout(HND, "NHD", permute_local_kv=True) is True
+    assert check_peer_layout(NHD, "HND", permute_local_kv=True) is True
     with pytest.raises(ProtocolError, match='layout is HND, this instance.s is NHD; set "enable_'):
-        check_peer_layout(NHD, "HND", permute_local_kv=False, same_tp=True)
-    with pytest.raises(ProtocolError, match="tensor-parallel sizes differ"):
-        check_peer_layout(HND, "NHD", permute_local_kv=True, same_tp=False)
+        check_peer_layout(NHD, "HND", permute_local_kv=False)
+
+
+def _agent_info(layout: str, tp: int, block_bytes: int) -> object:
+    from kvferry.kv_transfer.connectors.pd.messages import AgentInfo
+
+    return AgentInfo(
+        "P", "agent-P0", b"md", 0, tp, 16, 32, block_bytes, "DRAM", 0, [4096, 8192],
+        kv_cache_layout=layout,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("theirs", "ours"), [(1, 2), (2, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("permute", [False, True])
+def test_a_peer_of_the_other_layout_and_tp_size_needs_the_flag(theirs, ours, permute):
+    """The handshake check a decode rank runs (PeerClient._check_info), across TP sizes: the
+    other layout is admitted with enable_permute_local_kv and refused, naming the flag,
+    without it; a peer of the decode's layout is admitted either way."""
+    from types import SimpleNamespace
+
+    from kvferry.kv_transfer.connectors.pd.peers import PeerClient
+    from kvferry.kv_transfer.connectors.pd.transport import KVLayout
+
+    local = KVLayout(32, 1024, 16, "DRAM", 0, (1 << 20, 1 << 21), heads_outer=False)
+    client = SimpleNamespace(local=local, tp_size=ours, kv_layout=NHD, permute_local_kv=permute)
+    theirs_bytes = 1024 * ours // theirs
+    same = _agent_info("NHD", theirs, theirs_bytes)
+    assert PeerClient._check_info(client, same, "P", 0, theirs) is same  # type: ignore[arg-type]
+    other = _agent_info("HND", theirs, theirs_bytes)
+    if permute:
+        assert PeerClient._check_info(client, other, "P", 0, theirs) is other  # type: ignore[arg-type]
+        assert KVLayout.of_peer(other).heads_outer  # type: ignore[arg-type]
+    else:
+        with pytest.raises(ProtocolError, match='layout is HND, this instance.s is NHD; set "'):
+            PeerClient._check_info(client, other, "P", 0, theirs)  # type: ignore[arg-type]
