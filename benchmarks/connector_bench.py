@@ -92,12 +92,21 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def overhead(model: Path, dtype: str, num: int, max_tokens: int, rounds: int) -> dict[str, Any]:
+def overhead(
+    model: Path, dtype: str, num: int, max_tokens: int, rounds: int, only: str = ""
+) -> dict[str, Any]:
     """Every round runs the same fresh prompts on every engine, in alternating order; each
-    connector's loss is paired with the no-connector run of its own round."""
+    connector's loss is paired with the no-connector run of its own round. ``only``: a
+    comma-separated list of name prefixes to keep (the no-connector engine always runs)."""
     sys.path.insert(0, EXAMPLES)
     tmp = Path(tempfile.mkdtemp(prefix="kvferry-bench-"))
-    engines = {name: _engine(model, dtype, kv) for name, kv in _configs(tmp).items()}
+    keep = [k.strip() for k in only.split(",") if k.strip()]
+    configs = {
+        name: kv
+        for name, kv in _configs(tmp).items()
+        if name == "none" or not keep or any(name.startswith(k) for k in keep)
+    }
+    engines = {name: _engine(model, dtype, kv) for name, kv in configs.items()}
     vocab = model_vocab_size(model)
     for llm in engines.values():  # warm-up: one untimed round of the real size
         _run(llm, make_prompts(num, vocab, seed=999), max_tokens)
@@ -260,6 +269,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=None, help="default 10 (--quick: 2)")
     ap.add_argument("--no-ttft", action="store_true", help="overhead only")
+    ap.add_argument(
+        "--connectors",
+        default="",
+        help="comma-separated name prefixes to run, e.g. 'NoOp,HostPrefix' (default: all)",
+    )
     args = ap.parse_args()
     model = get_model("tiny" if args.quick else "mid")
     num, max_tokens, plen = (8, 16, 512) if args.quick else (32, 64, 2048)
@@ -267,7 +281,7 @@ def main() -> None:
     result: dict[str, Any] = {
         **run_header(),
         "model": model.name,
-        "overhead": overhead(model, args.dtype, num, max_tokens, rounds),
+        "overhead": overhead(model, args.dtype, num, max_tokens, rounds, args.connectors),
     }
     if not args.no_ttft:
         result["ttft"] = ttft(model, args.dtype, plen, 2 if args.quick else 3)

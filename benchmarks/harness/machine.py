@@ -43,6 +43,8 @@ def machine_info() -> dict[str, Any]:
         info["kvferry_cpu"] = cpu_features().as_dict()
     except ImportError:
         pass
+    # A preloaded allocator (tcmalloc) changes step times by several percent.
+    info["ld_preload"] = os.environ.get("LD_PRELOAD", "")
     commit = _git_commit()
     if commit is not None:
         info["git_commit"] = commit
