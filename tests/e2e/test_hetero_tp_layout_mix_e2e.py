@@ -52,22 +52,14 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_model_factory):
     llm = LLM(model=str(tiny_model_factory("llama")), dtype="float32", max_model_len=1024)
     yield llm
     llm.shutdown()
 
 
-def _serve(tiny_model_factory, tmp_path_factory, monkeypatch_module, case, port, **dkv: object):
+def _serve(tiny_model_factory, tmp_path_factory, case, port, **dkv: object):
     connector, a, p_layout, b, d_layout = case
-    monkeypatch_module.setenv("UCX_NET_DEVICES", "lo")
     logs = tmp_path_factory.mktemp(f"pd-{connector}-tp{a}{p_layout}-tp{b}{d_layout}")
     tp = "--tensor-parallel-size"
     return pd_serving(
@@ -78,17 +70,16 @@ def _serve(tiny_model_factory, tmp_path_factory, monkeypatch_module, case, port,
         *LONG,
         prefill_extra=(tp, str(a)),
         decode_extra=(tp, str(b)),
-        prefill_env={"KVFERRY_KV_CACHE_LAYOUT": p_layout},
-        decode_env={"KVFERRY_KV_CACHE_LAYOUT": d_layout},
+        prefill_env={"KVFERRY_KV_CACHE_LAYOUT": p_layout, "UCX_NET_DEVICES": "lo"},
+        decode_env={"KVFERRY_KV_CACHE_LAYOUT": d_layout, "UCX_NET_DEVICES": "lo"},
     )
 
 
 @pytest.fixture(scope="module", params=CASES)
-def permuting(request, tiny_model_factory, tmp_path_factory, monkeypatch_module):
+def permuting(request, tiny_model_factory, tmp_path_factory):
     with _serve(
         tiny_model_factory,
         tmp_path_factory,
-        monkeypatch_module,
         request.param,
         16111,
         enable_permute_local_kv=True,
@@ -113,7 +104,7 @@ def test_pd_across_tp_sizes_and_layouts_is_token_identical(permuting, offline, l
 
 @pytest.mark.slow
 def test_without_the_flag_across_tp_sizes_the_read_is_refused(
-    tiny_model_factory, tmp_path_factory, monkeypatch_module, offline
+    tiny_model_factory, tmp_path_factory, offline
 ):
     from kvferry import SamplingParams
 
@@ -121,7 +112,6 @@ def test_without_the_flag_across_tp_sizes_the_read_is_refused(
     with _serve(
         tiny_model_factory,
         tmp_path_factory,
-        monkeypatch_module,
         case,
         16311,  # the permuting fixture's servers may still run
         kv_load_failure_policy="recompute",

@@ -10,15 +10,13 @@ error. A request served meanwhile is untouched either way."""
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any
 
-import openai
 import pytest
 
 from kvferry import LLM
-from tests.helpers.pd_requests import EXTRA, check_pd_request, prompt_ids
-from tests.helpers.servers import metric, pd_serving, wait_for
+from tests.helpers.pd_requests import check_pd_request, check_refused_read, prompt_ids
+from tests.helpers.servers import metric, pd_serving
 
 LONG = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024"]
 
@@ -86,9 +84,6 @@ def test_decode_permutes_the_other_layout_token_identically(permuting, offline, 
 def test_without_permute_the_read_is_refused(
     tiny_model_factory, tmp_path_factory, monkeypatch_module, offline, policy
 ):
-    from kvferry import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     with _serve(
         tiny_model_factory,
         tmp_path_factory,
@@ -97,57 +92,4 @@ def test_without_permute_the_read_is_refused(
         "NHD",
         kv_load_failure_policy=policy,
     ) as pd:
-        p_url, d_url = pd["prefill"].url, pd["decode"].url
-        prompts = [prompt_ids(200, 3), prompt_ids(90, 4)]
-        want = [
-            o.outputs[0].token_ids
-            for o in offline.generate([{"prompt_token_ids": x} for x in prompts], params)
-        ]
-
-        def ask(url: str, prompt: list[int]) -> Any:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-            kw: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 16}
-            try:
-                choice = client.completions.create(temperature=0.0, extra_body=EXTRA, **kw)
-            except openai.APIStatusError as e:
-                return e
-            return choice.choices[0].token_ids
-
-        # A P/D request and, meanwhile, a request straight to the decode instance.
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            pd_answer = pool.submit(ask, pd["proxy"].url, prompts[0])
-            plain = pool.submit(ask, d_url, prompts[1])
-            assert plain.result(timeout=120) == want[1]
-            got = pd_answer.result(timeout=120)
-        if policy == "recompute":
-            assert got == want[0]
-        else:  # the request ends with a clear error, through the proxy
-            assert isinstance(got, openai.APIStatusError) and got.status_code == 502, got
-            assert "KV cache load failed" in str(got) and "policy='fail'" in str(got)
-        # The read failed before anything moved; the prompt was recomputed.
-        wait_for(
-            lambda: metric(d_url, "kvferry_kv_connector_total", stat="nixl_failed_reads") >= 1,
-            what="the failed read in the decode instance's connector stats",
-        )
-        assert metric(d_url, "kvferry_kv_connector_total", stat="nixl_reads") == 0
-        # Nor do the prompt-token metrics count the failed read's tokens as transferred.
-        wait_for(
-            lambda: metric(d_url, "vllm:prompt_tokens_total") == 290,
-            what="both prompts (200 + 90 tokens) in the decode instance's metrics",
-        )
-        by_source = "vllm:prompt_tokens_by_source_total"
-        assert metric(d_url, by_source, source="external_kv_transfer") == 0
-        assert metric(d_url, by_source, source="local_compute") == 290
-        log = pd["decode"].log.read_text()
-        assert "the prefill instance's KV cache layout is HND, this instance's is NHD" in log
-        assert '"enable_permute_local_kv": true' in log
-        # Never claimed, the prefill instance's blocks go back when the lease runs out.
-        wait_for(
-            lambda: (
-                metric(p_url, "kvferry_num_requests_held_by_connector") == 0
-                and metric(p_url, "vllm:kv_cache_usage_perc") == 0
-            ),
-            timeout=30,
-            what="the prefill instance's blocks to return to its free pool",
-        )
-        assert metric(d_url, "vllm:kv_cache_usage_perc") == 0
+        check_refused_read(pd, offline, policy, "nixl")
