@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 
 from kvferry import LLM
-from tests.helpers.pd_requests import check_pd_request, prompt_ids
+from tests.helpers.pd_requests import ask, check_pd_request, greedy_tokens, prompt_ids
 from tests.helpers.servers import metric, pd_serving, wait_for
 
 LONG = ["--max-model-len", "1024", "--max-num-batched-tokens", "512"]
@@ -106,8 +106,6 @@ def test_pd_across_tp_sizes_and_layouts_is_token_identical(permuting, offline, l
 def test_without_the_flag_across_tp_sizes_the_read_is_refused(
     tiny_model_factory, tmp_path_factory, offline
 ):
-    from kvferry import SamplingParams
-
     case = ("NixlConnector", 1, "HND", 2, "NHD")
     with _serve(
         tiny_model_factory,
@@ -116,20 +114,8 @@ def test_without_the_flag_across_tp_sizes_the_read_is_refused(
         16311,  # the permuting fixture's servers may still run
         kv_load_failure_policy="recompute",
     ) as pd:
-        import openai
-
         prompt = prompt_ids(200, 5)
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        want = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-        client = openai.OpenAI(base_url=pd["proxy"].url + "/v1", api_key="x", max_retries=0)
-        got = client.completions.create(
-            model="tiny",
-            prompt=prompt,
-            max_tokens=16,
-            temperature=0.0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        assert got.choices[0].token_ids == want[0].outputs[0].token_ids  # recomputed
+        assert ask(pd["proxy"].url, prompt) == greedy_tokens(offline, prompt)  # recomputed
         d_url = pd["decode"].url
         wait_for(
             lambda: _stat(d_url, "NixlConnector", "failed_reads") >= 1,

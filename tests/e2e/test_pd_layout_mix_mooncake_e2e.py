@@ -17,8 +17,14 @@ from typing import Any
 
 import pytest
 
-from kvferry import LLM, SamplingParams
-from tests.helpers.pd_requests import ask, check_pd_request, check_refused_read, prompt_ids
+from kvferry import LLM
+from tests.helpers.pd_requests import (
+    ask,
+    check_pd_request,
+    check_refused_read,
+    greedy_tokens,
+    prompt_ids,
+)
 from tests.helpers.servers import metric, pd_serving, wait_for
 
 pytest.importorskip("mooncake.engine", reason="needs Mooncake's transfer engine (extra 'mooncake')")
@@ -27,7 +33,6 @@ LONG = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024"]
 STAT = "kvferry_kv_connector_total"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 REFUSED = "the prefill instance's KV cache layout is"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def _mooncake(**top: Any) -> dict:
@@ -90,7 +95,9 @@ def test_local_prefix_hit_permutes_only_the_blocks_read(permuting, offline):
     request it served itself): it reads and permutes only the rest."""
     shared = prompt_ids(256, 77)
     d_url = permuting["decode"].url
-    assert ask(d_url, shared + prompt_ids(40, 78)) == _want(offline, shared + prompt_ids(40, 78))
+    assert ask(d_url, shared + prompt_ids(40, 78)) == greedy_tokens(
+        offline, shared + prompt_ids(40, 78)
+    )
     cached = metric(d_url, BY_SOURCE, source="local_cache_hit")
     reads = metric(d_url, STAT, stat="mooncake_reads")
     check_pd_request(permuting, offline, shared + prompt_ids(100, 79), stream=False)
@@ -103,11 +110,6 @@ def test_local_prefix_hit_permutes_only_the_blocks_read(permuting, offline):
         what="the read in the decode instance's connector stats",
     )
     assert metric(d_url, STAT, stat="mooncake_failed_reads") == 0
-
-
-def _want(offline: LLM, prompt: list[int]) -> list[int]:
-    (out,) = offline.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
-    return list(out.outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

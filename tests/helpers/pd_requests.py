@@ -19,12 +19,18 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return [5 + (seed * 7919 + i * 104729) % 500 for i in range(n)]
 
 
+def greedy_tokens(offline: LLM, prompt: list[int]) -> list[int]:
+    """The 16 greedy tokens the offline engine gives ``prompt``: what a P/D request must return."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    (out,) = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
 def check_pd_request(
     pd: dict[str, Any], offline: LLM, prompt: list[int], stream: bool, block_size: int = 16
 ) -> None:
     """``pd``: the running instances by name (``prefill``, ``decode``, ``proxy``)."""
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    want = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    want = greedy_tokens(offline, prompt)
     client = openai.OpenAI(base_url=pd["proxy"].url + "/v1", api_key="x", max_retries=0)
     kw: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0}
     if stream:
@@ -34,8 +40,8 @@ def check_pd_request(
             for t in ev.choices[0].token_ids
         ]
     else:
-        got = client.completions.create(extra_body=EXTRA, **kw).choices[0].token_ids
-    assert got == want[0].outputs[0].token_ids
+        got = list(client.completions.create(extra_body=EXTRA, **kw).choices[0].token_ids)
+    assert got == want
     p_url, d_url = pd["prefill"].url, pd["decode"].url
     if len(prompt) > block_size:  # a prompt shorter than one block has no full block to move
         assert metric(d_url, "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}") > 0
@@ -62,7 +68,7 @@ def ask(url: str, prompt: list[int]) -> Any:
         choice = client.completions.create(temperature=0.0, extra_body=EXTRA, **kw)
     except openai.APIStatusError as e:
         return e
-    return choice.choices[0].token_ids
+    return list(choice.choices[0].token_ids)
 
 
 def check_refused_read(pd: dict[str, Any], offline: LLM, policy: str, stat: str) -> None:
@@ -71,13 +77,9 @@ def check_refused_read(pd: dict[str, Any], offline: LLM, policy: str, stat: str)
     request while a request straight to the decode instance is untouched; nothing counts as
     transferred, the log names both layouts and the flag, and the prefill blocks go back at
     lease expiry. ``stat``: the connector's stats prefix (``nixl``, ``mooncake``)."""
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     p_url, d_url = pd["prefill"].url, pd["decode"].url
     prompts = [prompt_ids(200, 3), prompt_ids(90, 4)]
-    want = [
-        list(o.outputs[0].token_ids)
-        for o in offline.generate([{"prompt_token_ids": x} for x in prompts], params)
-    ]
+    want = [greedy_tokens(offline, x) for x in prompts]
     # A P/D request and, meanwhile, a request straight to the decode instance.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         pd_answer = pool.submit(ask, pd["proxy"].url, prompts[0])

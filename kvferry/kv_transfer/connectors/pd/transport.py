@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from kvferry.kv_layout import layout_of
+from kvferry.kv_layout import KVCacheLayout, layout_of
 
 if TYPE_CHECKING:
     from kvferry.kv_transfer.connectors.pd.messages import AgentInfo
@@ -83,7 +83,7 @@ class KVLayout:
             info.mem_type,
             info.device_id,
             tuple(info.base_addrs),
-            heads_outer=info.kv_cache_layout == "HND",
+            heads_outer=info.kv_cache_layout == KVCacheLayout.HND.value,
         )
 
     @property
