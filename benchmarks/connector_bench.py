@@ -81,7 +81,7 @@ def _configs(tmp: Path) -> dict[str, dict[str, Any] | None]:
             "kv_connector": "HostPrefixConnector",
             "kv_role": "kv_both",
             "kv_connector_module_path": "examples.host_prefix_connector",
-            "kv_connector_extra_config": {"max_blocks": 100000},
+            "kv_connector_extra_config": {"max_blocks": 4096},
         },
     }
 

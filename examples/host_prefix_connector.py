@@ -12,6 +12,11 @@ The scheduler side decides; the worker side copies. They share nothing but the m
 the scheduler remembers which block hashes it asked the worker to store (saves finish inside
 the step, in ``wait_for_save``, so a planned store is a done store by the next step) and plans
 loads of those hashes into freshly allocated engine blocks.
+
+The worker keeps a fixed host pool of ``max_blocks`` slots per layer, allocated and touched
+once when the KV caches are registered (as LMCache and vLLM's CPU offloading preallocate
+theirs): storing a block is one copy into a free slot, never an allocation in the step loop.
+Its size is ``max_blocks`` times one block's bytes over all layers (logged at start).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Any
 import torch
 
 from kvferry.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvferry.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -46,8 +54,11 @@ class HostPrefixConnector(KVConnectorBase):
         self.block_ids: dict[str, list[int]] = {}
         self.first_hit_block: dict[str, int] = {}
         self.scanned: dict[str, int] = {}  # prompt blocks already planned (or held) per request
-        # worker side: hash -> {layer: tensor (2, block_size, kv_heads, head_dim)}
-        self.host: dict[bytes, dict[str, torch.Tensor]] = {}
+        # worker side: layer -> pool (max_blocks, 2, block_size, ...); hash -> pool slot
+        self.pool: dict[str, torch.Tensor] = {}
+        self.slot: dict[bytes, int] = {}
+        self.free_slots: list[int] = []
+        self.step_stores: list[tuple[int, int]] = []  # (pool slot, engine block id)
         self.kv_caches: dict[str, torch.Tensor] = {}
 
     # -- scheduler side
@@ -110,15 +121,32 @@ class HostPrefixConnector(KVConnectorBase):
     # -- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = kv_caches
+        # zeros, not empty: the pages are mapped now, not by the first stores mid-run
+        self.pool = {
+            name: torch.zeros((self.max_blocks, 2, *cache.shape[2:]), dtype=cache.dtype)
+            for name, cache in kv_caches.items()
+        }
+        self.free_slots = list(range(self.max_blocks - 1, -1, -1))
+        nbytes = sum(t.numel() * t.element_size() for t in self.pool.values())
+        logger.info("host pool: %d blocks, %.1f MiB", self.max_blocks, nbytes / 2**20)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HostPrefixMetadata)
-        for h in meta.evictions:
-            self.host.pop(h, None)
-        for h, block_id in meta.loads:
+        for h, block_id in meta.loads:  # before the evictions: a load may be evicted too
+            slot = self.slot[h]
             for name, cache in self.kv_caches.items():
-                cache[:, block_id].copy_(self.host[h][name])
+                cache[:, block_id].copy_(self.pool[name][slot])
+        evicted = set(meta.evictions)
+        for h in evicted:
+            if (slot := self.slot.pop(h, None)) is not None:
+                self.free_slots.append(slot)
+        # the scheduler evicts down to max_blocks after planning the stores: slots suffice
+        self.step_stores = []
+        for h, block_id in meta.stores:
+            if h not in evicted:
+                self.slot[h] = slot = self.free_slots.pop()
+                self.step_stores.append((slot, block_id))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
@@ -126,10 +154,9 @@ class HostPrefixConnector(KVConnectorBase):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, HostPrefixMetadata)
-        for h, block_id in meta.stores:
-            self.host.setdefault(h, {})[layer_name] = kv_layer[:, block_id].clone()
+        pool = self.pool[layer_name]
+        for slot, block_id in self.step_stores:
+            pool[slot].copy_(kv_layer[:, block_id])
 
     def wait_for_save(self) -> None:
         pass

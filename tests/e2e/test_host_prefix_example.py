@@ -78,3 +78,34 @@ def test_chunked_prefill_stores_each_block_once_and_hits_all(model_dir, example_
     mgr = llm.engine.scheduler.kv_cache_manager
     mgr.check_integrity()
     assert mgr.get_num_free_blocks() == llm.engine.kv_cache_config.num_blocks
+
+
+def test_small_pool_evicts_reuses_slots_and_stays_identical(model_dir, example_on_path):
+    """A pool smaller than one step's stores: the oldest blocks are evicted and their slots
+    reused, the worker's slots mirror the scheduler's stored hashes, and what is still held
+    hits on the next run, token-identical."""
+    reference, _ = _run(_llm(model_dir, None))
+    kv = {
+        "kv_connector": "HostPrefixConnector",
+        "kv_connector_module_path": "examples.host_prefix_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"max_blocks": 3},
+    }
+    llm = _llm(model_dir, kv)
+    sched: Any = llm.engine.scheduler.connector
+    worker: Any = llm.engine.executor.worker.kv_connector
+    for _ in range(3):
+        tokens, _ = _run(llm)
+        assert tokens == reference
+        assert set(worker.slot) == set(sched.stored)
+        assert len(worker.slot) + len(worker.free_slots) == 3
+        assert sorted([*worker.slot.values(), *worker.free_slots]) == [0, 1, 2]
+    # the last prompt's two full blocks were stored last: alone, it hits both
+    last = _prompts()[-1]
+    (out,) = llm.generate([{"prompt_token_ids": last}], GREEDY, use_tqdm=False)
+    assert out.metrics.num_external_cached_tokens == 2 * BLOCK
+    assert list(out.outputs[0].token_ids) == reference[-1]
+    assert next(iter(worker.pool.values())).shape[0] == 3
+    mgr = llm.engine.scheduler.kv_cache_manager
+    mgr.check_integrity()
+    assert mgr.get_num_free_blocks() == llm.engine.kv_cache_config.num_blocks
