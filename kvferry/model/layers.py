@@ -135,9 +135,9 @@ def apply_rotary(
     """Rotate ``x`` of shape ``[num_tokens, heads, head_dim]`` by the half-width ``cos``/``sin``
     from :meth:`RotaryEmbedding.cos_sin`; returns a new contiguous tensor. Same products and
     sums as HF's ``x * cos + rotate_half(x) * sin``, written into one output without a concat.
-    With ``fused`` ops and an fp32 CPU ``x`` whose heads are contiguous, ``x`` is rotated in
-    place and returned instead."""
-    if fused is not None and fused.supports_heads(x) and cos.dtype == torch.float32:
+    With ``fused`` ops and an fp32 or bf16 CPU ``x`` whose heads are contiguous (``cos`` in its
+    dtype), ``x`` is rotated in place and returned instead."""
+    if fused is not None and fused.supports_heads(x) and cos.dtype == x.dtype:
         return fused.rotary_(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]

@@ -8,7 +8,8 @@ pools fighting over the cores.
 
 Shared objects are cached under ``$KVFERRY_KERNEL_CACHE`` (default
 ``~/.cache/kvferry/kernels``), keyed by the source, the compiler command and the CPU's
-feature flags (they are built with ``-march=native``). When the compiler is missing or the
+feature flags (they are built with ``-march=native``); the headers in ``csrc/`` (which every
+kernel may include) count as part of each source. When the compiler is missing or the
 build fails, :func:`load_library` logs why once per library and returns None.
 ``KVFERRY_NATIVE_KERNELS=0`` turns every kernel off.
 """
@@ -63,7 +64,7 @@ def _compile(cc: str, source: Path, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *FLAGS, str(source), "-o", tmp, "-lm"],
+            [cc, *FLAGS, f"-I{CSRC}", str(source), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -91,6 +92,8 @@ def _load(name: str, source: Path, cc: str, enabled: bool, cache_dir: Path) -> c
         return None
     key = hashlib.sha256()
     key.update(source.read_bytes())
+    for header in sorted(CSRC.glob("*.h")):
+        key.update(header.read_bytes())
     key.update(" ".join([cc, *FLAGS]).encode())
     key.update(_cpu_flags().encode())
     target = cache_dir / f"{name}-{key.hexdigest()[:16]}.so"

@@ -1,4 +1,5 @@
-"""Fused RMSNorm (with residual add), rotary embedding and SiLU-and-mul (``csrc/fused_ops.c``)."""
+"""Fused RMSNorm (with residual add), rotary embedding and SiLU-and-mul (``csrc/fused_ops.c``),
+in fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -12,49 +13,54 @@ from kvferry.native.build import load_library
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
     # x, x stride, residual, residual stride, weight, out, out stride, rows, dim, eps, threads
-    "kvf_add_rms_norm_f32": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT],
+    "add_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT],
     # x, row stride, heads, head_dim, cos rows, sin rows, rows, threads
-    "kvf_rotary_f32": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT],
+    "rotary": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT],
     # gate_up, in stride, out, out stride, rows, dim, threads
-    "kvf_silu_mul_f32": [_P, _I64, _P, _I64, _I64, _I64, _INT],
+    "silu_mul": [_P, _I64, _P, _I64, _I64, _I64, _INT],
 }
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class FusedOps:
-    """One-pass CPU versions of a decoder layer's elementwise steps, for fp32 only: in half
-    precision the torch ops round after every step exactly as Hugging Face does, which a
-    fused kernel would not.
+    """One-pass CPU versions of a decoder layer's elementwise steps, for fp32 and bf16. The
+    bf16 kernels round to bf16 wherever the torch ops (and Hugging Face's layers) store a bf16
+    result, and compute in fp32 in between as those ops do; fp16 keeps the torch ops.
 
     Each method takes 2-D tensors whose rows are contiguous (:meth:`supports`), except
     :meth:`rotary_`, which takes 3-D ones whose heads are (:meth:`supports_heads`). Results agree with the
-    torch ops to fp32 rounding (different summation order, fused multiply-adds).
+    torch ops to fp32 rounding (different summation order, fused multiply-adds); in bf16 that
+    is bit for bit but for rare results one bf16 step apart.
     """
 
+    DTYPES = tuple(_SUFFIX)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns: dict[tuple[str, torch.dtype], Any] = {}
         for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = argtypes
-            fn.restype = None
-        self._add_rms_norm = lib.kvf_add_rms_norm_f32
-        self._rotary = lib.kvf_rotary_f32
-        self._silu_mul = lib.kvf_silu_mul_f32
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(lib, f"kvf_{name}_{suffix}")
+                fn.argtypes = argtypes
+                fn.restype = None
+                self._fns[name, dtype] = fn
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
-        """Rows: an fp32 CPU ``[n, d]`` tensor with contiguous rows."""
+        """Rows: an fp32 or bf16 CPU ``[n, d]`` tensor with contiguous rows."""
         return (
             x.device.type == "cpu"
-            and x.dtype == torch.float32
+            and x.dtype in FusedOps.DTYPES
             and x.dim() == 2
             and (x.stride(1) == 1)
         )
 
     @staticmethod
     def supports_heads(x: torch.Tensor) -> bool:
-        """Heads: an fp32 CPU ``[n, heads, head_dim]`` tensor, each row's heads contiguous."""
+        """Heads: an fp32 or bf16 CPU ``[n, heads, head_dim]`` tensor, each row's heads
+        contiguous."""
         return (
             x.device.type == "cpu"
-            and x.dtype == torch.float32
+            and x.dtype in FusedOps.DTYPES
             and x.dim() == 3
             and x.stride(2) == 1
             and x.stride(1) == x.shape[2]
@@ -85,7 +91,8 @@ class FusedOps:
     ) -> None:
         rows, dim = residual.shape
         assert weight.is_contiguous() and weight.shape == (dim,) and weight.dtype == out.dtype
-        self._add_rms_norm(
+        assert residual.dtype == out.dtype and (x is None or x.dtype == out.dtype)
+        self._fns["add_rms_norm", out.dtype](
             None if x is None else x.data_ptr(),
             0 if x is None else x.stride(0),
             residual.data_ptr(),
@@ -102,11 +109,12 @@ class FusedOps:
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates ``x`` ``[num_tokens, heads, head_dim]`` (rows may be strided, heads
         contiguous) in place by the half-width ``cos``/``sin`` rows of each token
-        (``[num_tokens, 1, head_dim // 2]``, contiguous); returns ``x``."""
+        (``[num_tokens, 1, head_dim // 2]``, contiguous, in ``x``'s dtype); returns ``x``."""
         n, heads, head_dim = x.shape
         assert x.stride(2) == 1 and x.stride(1) == head_dim
         assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == n * head_dim // 2
-        self._rotary(
+        assert cos.dtype == sin.dtype == x.dtype
+        self._fns["rotary", x.dtype](
             x.data_ptr(),
             x.stride(0),
             heads,
@@ -122,7 +130,7 @@ class FusedOps:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` of shape ``[n, 2 * d]``."""
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-        self._silu_mul(
+        self._fns["silu_mul", gate_up.dtype](
             gate_up.data_ptr(),
             gate_up.stride(0),
             out.data_ptr(),

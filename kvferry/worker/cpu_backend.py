@@ -224,9 +224,8 @@ class CPUBackend:
         else:
             self.native_half = dtype == torch.float16 and _native_fp16_matmul(self.features)
         if native_kernels:
-            # Fused kernels are fp32 only: in half precision the torch ops round after every
-            # step exactly as Hugging Face does, which a fused kernel would not.
-            if dtype == torch.float32:
+            # fp16 keeps the torch ops: no fused kernel rounds the way they do in fp16.
+            if dtype in FusedOps.DTYPES:
                 self.fused_ops = load_fused_ops()
             if dtype in PagedDecodeKernel.DTYPES:
                 self.decode_kernel = load_paged_decode()

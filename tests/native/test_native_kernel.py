@@ -173,31 +173,83 @@ def test_fused_ops_match_the_torch_ops(rows: int) -> None:
 
 
 @needs_cc
-def test_fused_ops_serve_only_fp32_cpu_rows() -> None:
+@pytest.mark.parametrize("rows", [1, 7, 600])  # 600 x 1024 takes the threaded path
+def test_bf16_fused_ops_round_where_the_torch_ops_do(rows: int) -> None:
+    """bf16: the same bits as the torch ops (Hugging Face's rounding after every op), but for
+    rare results one bf16 step apart where fp32 evaluation order differs (sum of squares,
+    exp)."""
+    ops = load_fused_ops()
+    assert ops is not None
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(rows)
+    dim, heads, head_dim, inter = 1024, 6, 64, 2048
+    norm = RMSNorm(dim, eps=1e-6).to(bf)
+    norm.weight.data = (1.0 + 0.2 * torch.randn(dim, generator=gen)).to(bf)
+    x = torch.randn(rows, dim + 32, generator=gen).to(bf)[:, :dim]
+    residual = (3 * torch.randn(rows, dim, generator=gen)).to(bf)
+    want_sum = x + residual
+    got = ops.add_rms_norm_(x, residual, norm.weight, 1e-6)
+    assert torch.equal(residual, want_sum)
+
+    def close(got: torch.Tensor, want: torch.Tensor, share: float, steps: int) -> None:
+        assert got.dtype == want.dtype == bf
+        off = got != want
+        assert off.float().mean().item() <= share
+        # a bf16 step is at most 2**-7 of the value
+        rel = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
+        assert not off.any() or rel[off].max().item() <= steps * 2**-7
+
+    close(got, norm(want_sum), 1e-3, 1)
+    close(ops.rms_norm(x, norm.weight, 1e-6), norm(x), 1e-3, 1)
+
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    cos, sin = rope.cos_sin(torch.randint(0, 4096, (rows,), generator=gen), bf)
+    qkv = torch.randn(rows, (heads + 2) * head_dim, generator=gen).to(bf)
+    qk = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    want = apply_rotary(qk, cos, sin)
+    tail = qkv[:, heads * head_dim :].clone()
+    assert apply_rotary(qk, cos, sin, ops) is qk
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, heads * head_dim :], tail)
+
+    gate_up = (3 * torch.randn(rows, 2 * inter, generator=gen)).to(bf)
+    # one step in silu(gate) may become two in the rounded product
+    close(ops.silu_mul(gate_up), F.silu(gate_up[:, :inter]) * gate_up[:, inter:], 3e-3, 2)
+
+
+@needs_cc
+def test_fused_ops_serve_only_fp32_and_bf16_cpu_rows() -> None:
     ops = load_fused_ops()
     assert ops is not None
     x = torch.zeros(4, 8)
     assert ops.supports(x) and ops.supports(torch.zeros(4, 16)[:, :8])
-    assert not ops.supports(x.bfloat16()) and not ops.supports(x.t()) and not ops.supports(x[None])
+    assert ops.supports(x.bfloat16()) and not ops.supports(x.half())
+    assert not ops.supports(x.t()) and not ops.supports(x[None])
     h = torch.zeros(4, 3, 8)
     assert ops.supports_heads(h) and ops.supports_heads(torch.zeros(4, 40)[:, :24].view(4, 3, 8))
+    assert ops.supports_heads(h.bfloat16())
     assert not ops.supports_heads(h.transpose(0, 1)) and not ops.supports_heads(h.half())
-    # Through the layers: a bf16 norm keeps the torch ops (HF's rounding after every op).
-    norm = RMSNorm(8).bfloat16()
+    # Through the layers: an fp16 norm keeps the torch ops.
+    norm = RMSNorm(8).half()
     norm.fused = ops
-    xb = torch.randn(4, 8).bfloat16()
-    torch.testing.assert_close(norm(xb), RMSNorm(8).bfloat16()(xb), atol=0, rtol=0)
+    xh = torch.randn(4, 8).half()
+    torch.testing.assert_close(norm(xh), RMSNorm(8).half()(xh), atol=0, rtol=0)
+    # A bf16 x with fp32 cos/sin (no such caller) keeps the torch rotary.
+    rope = RotaryEmbedding(8, 16, 10000.0)
+    cos, sin = rope.cos_sin(torch.arange(4), torch.float32)
+    hb = torch.randn(4, 3, 8).bfloat16()
+    assert apply_rotary(hb, cos, sin, ops) is not hb
 
 
 @needs_cc
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_runner_attaches_fused_ops_to_fp32_cpu_models(
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_runner_attaches_fused_ops_to_fp32_and_bf16_cpu_models(
     tiny_model_factory: object, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tiny_model_factory()  # type: ignore[operator]
     model = _cpu_runner(folder, dtype).model
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all((m.fused is not None) == (dtype == "float32") for m in norms)
+    assert norms and all((m.fused is not None) == (dtype != "float16") for m in norms)
     monkeypatch.setenv("KVFERRY_NATIVE_KERNELS", "0")
     model = _cpu_runner(folder, dtype).model
     assert all(m.fused is None for m in model.modules() if isinstance(m, RMSNorm))

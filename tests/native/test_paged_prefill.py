@@ -98,7 +98,7 @@ def test_avx512_tiles_match_sdpa(dtype: torch.dtype, tmp_path) -> None:  # type:
     """The AVX-512 build's tile shapes (one 64-row register tile, 4 vectors of 16), built
     here with the vectors split by the compiler, so CPUs without AVX-512 check them too."""
     src = tmp_path / "paged_prefill_wide.c"
-    # The whole source, not an #include: the build cache is keyed by the file's text.
+    # The whole source, not an #include of it: the build cache is keyed by the file's text.
     src.write_text("#define KVF_WIDE_TILES 1\n" + (CSRC / "paged_prefill.c").read_text())
     lib = load_library("paged_prefill_wide", source=src)
     assert lib is not None

@@ -28,21 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
-
-static inline float bf16_to_f32(bf16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline bf16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u); /* NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (bf16_t)(v.u >> 16);
-}
+#include "bf16.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;

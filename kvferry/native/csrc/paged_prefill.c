@@ -36,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
+#include "bf16.h"
 /* A row vector is one machine register: with 16 registers of 8 floats (AVX2), tiles of
  * 16-float vectors spill their accumulators on every FMA and run >10x slower. */
 /* KVF_WIDE_TILES: the AVX-512 tiles anywhere (the compiler splits the vectors), so a CPU
@@ -57,20 +57,6 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #define KS 6                /* keys per scores micro-kernel: KS x RV accumulators */
 #define KV 6                /* value dims per values micro-kernel */
 #define NEG (-1e30f) /* finite: -ffast-math assumes no infinities */
-
-static inline float bf16_to_f32(bf16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline bf16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40u); /* NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (bf16_t)(v.u >> 16);
-}
 
 static inline vf vload(const float *p) {
     vf v;
