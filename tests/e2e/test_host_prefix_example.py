@@ -41,6 +41,15 @@ def _llm(model_dir: Path, kv: dict | None) -> LLM:
     return LLM(model=str(model_dir), enable_prefix_caching=False, kv_transfer_config=kv, **args)
 
 
+def _host_prefix(max_blocks: int) -> dict[str, Any]:
+    return {
+        "kv_connector": "HostPrefixConnector",
+        "kv_connector_module_path": "examples.host_prefix_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"max_blocks": max_blocks},
+    }
+
+
 def _run(llm: LLM):
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], outs
@@ -48,13 +57,7 @@ def _run(llm: LLM):
 
 def test_chunked_prefill_stores_each_block_once_and_hits_all(model_dir, example_on_path):
     reference, _ = _run(_llm(model_dir, None))
-    kv = {
-        "kv_connector": "HostPrefixConnector",
-        "kv_connector_module_path": "examples.host_prefix_connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"max_blocks": 64},
-    }
-    llm = _llm(model_dir, kv)
+    llm = _llm(model_dir, _host_prefix(max_blocks=64))
     sched: Any = llm.engine.scheduler.connector
     stores: list[bytes] = []
     build = sched.build_connector_meta
@@ -85,13 +88,7 @@ def test_small_pool_evicts_reuses_slots_and_stays_identical(model_dir, example_o
     reused, the worker's slots mirror the scheduler's stored hashes, and what is still held
     hits on the next run, token-identical."""
     reference, _ = _run(_llm(model_dir, None))
-    kv = {
-        "kv_connector": "HostPrefixConnector",
-        "kv_connector_module_path": "examples.host_prefix_connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"max_blocks": 3},
-    }
-    llm = _llm(model_dir, kv)
+    llm = _llm(model_dir, _host_prefix(max_blocks=3))
     sched: Any = llm.engine.scheduler.connector
     worker: Any = llm.engine.executor.worker.kv_connector
     for _ in range(3):

@@ -26,133 +26,87 @@
 
 #define PARALLEL_MIN_ELEMS (1 << 16)
 
-void kvf_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual,
-                          int64_t res_stride, const float *weight, float *out,
-                          int64_t out_stride, int64_t rows, int64_t dim, float eps,
-                          int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        float *h = residual + r * res_stride;
-        float *o = out + r * out_stride;
-        float ss = 0.0f;
-        if (x != 0) {
-            const float *xr = x + r * x_stride;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) {
-                float s = h[i] + xr[i];
-                h[i] = s;
-                ss += s * s;
-            }
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) ss += h[i] * h[i];
-        }
-        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (h[i] * inv);
+/* Element access per dtype: LD widens to fp32, ST narrows, RD is what storing and reloading
+ * an intermediate result does (identity in fp32). */
+static inline float ld_f32(float x) { return x; }
+static inline float st_f32(float x) { return x; }
+static inline float rd_f32(float x) { return x; }
+#define ld_bf16 bf16_to_f32
+#define st_bf16 f32_to_bf16
+#define rd_bf16 round_bf16
+
+#define DEFINE_ADD_RMS_NORM(NAME, T, LD, ST, RD)                                             \
+    void NAME(const T *x, int64_t x_stride, T *residual, int64_t res_stride, const T *weight, \
+              T *out, int64_t out_stride, int64_t rows, int64_t dim, float eps,              \
+              int num_threads) {                                                             \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            T *h = residual + r * res_stride;                                                \
+            T *o = out + r * out_stride;                                                     \
+            float ss = 0.0f;                                                                 \
+            if (x != 0) {                                                                    \
+                const T *xr = x + r * x_stride;                                              \
+                _Pragma("omp simd reduction(+ : ss)")                                        \
+                for (int64_t i = 0; i < dim; i++) {                                          \
+                    T s = ST(LD(h[i]) + LD(xr[i]));                                          \
+                    h[i] = s;                                                                \
+                    float f = LD(s);                                                         \
+                    ss += f * f;                                                             \
+                }                                                                            \
+            } else {                                                                         \
+                _Pragma("omp simd reduction(+ : ss)")                                        \
+                for (int64_t i = 0; i < dim; i++) {                                          \
+                    float f = LD(h[i]);                                                      \
+                    ss += f * f;                                                             \
+                }                                                                            \
+            }                                                                                \
+            float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                 \
+            _Pragma("omp simd")                                                              \
+            for (int64_t i = 0; i < dim; i++) o[i] = ST(LD(weight[i]) * RD(LD(h[i]) * inv)); \
+        }                                                                                    \
     }
-}
 
 /* cos_rows, sin_rows: [rows, head_dim / 2], the rows for each token's position. */
-void kvf_rotary_f32(float *x, int64_t row_stride, int64_t heads, int64_t head_dim,
-                    const float *cos_rows, const float *sin_rows, int64_t rows, int num_threads) {
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) \
-    if (rows * heads * head_dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos_rows + r * half;
-        const float *s = sin_rows + r * half;
-        for (int64_t h = 0; h < heads; h++) {
-            float *a = x + r * row_stride + h * head_dim;
-            float *b = a + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = a[i], x2 = b[i];
-                a[i] = x1 * c[i] - x2 * s[i];
-                b[i] = x2 * c[i] + x1 * s[i];
-            }
-        }
+#define DEFINE_ROTARY(NAME, T, LD, ST, RD)                                                   \
+    void NAME(T *x, int64_t row_stride, int64_t heads, int64_t head_dim, const T *cos_rows,   \
+              const T *sin_rows, int64_t rows, int num_threads) {                            \
+        const int64_t half = head_dim / 2;                                                   \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= PARALLEL_MIN_ELEMS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            const T *c = cos_rows + r * half;                                                \
+            const T *s = sin_rows + r * half;                                                \
+            for (int64_t h = 0; h < heads; h++) {                                            \
+                T *a = x + r * row_stride + h * head_dim;                                    \
+                T *b = a + half;                                                             \
+                _Pragma("omp simd")                                                          \
+                for (int64_t i = 0; i < half; i++) {                                         \
+                    float x1 = LD(a[i]), x2 = LD(b[i]), ci = LD(c[i]), si = LD(s[i]);        \
+                    a[i] = ST(RD(x1 * ci) - RD(x2 * si));                                    \
+                    b[i] = ST(RD(x2 * ci) + RD(x1 * si));                                    \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
     }
-}
 
-void kvf_silu_mul_f32(const float *gate_up, int64_t in_stride, float *out,
-                      int64_t out_stride, int64_t rows, int64_t dim, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * in_stride;
-        const float *u = g + dim;
-        float *o = out + r * out_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+#define DEFINE_SILU_MUL(NAME, T, LD, ST, RD)                                                 \
+    void NAME(const T *gate_up, int64_t in_stride, T *out, int64_t out_stride, int64_t rows,  \
+              int64_t dim, int num_threads) {                                                \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            const T *g = gate_up + r * in_stride;                                            \
+            const T *u = g + dim;                                                            \
+            T *o = out + r * out_stride;                                                     \
+            _Pragma("omp simd")                                                              \
+            for (int64_t i = 0; i < dim; i++) {                                              \
+                float gi = LD(g[i]);                                                         \
+                o[i] = ST(RD(gi / (1.0f + expf(-gi))) * LD(u[i]));                           \
+            }                                                                                \
+        }                                                                                    \
     }
-}
 
-void kvf_add_rms_norm_bf16(const bf16_t *x, int64_t x_stride, bf16_t *residual,
-                           int64_t res_stride, const bf16_t *weight, bf16_t *out,
-                           int64_t out_stride, int64_t rows, int64_t dim, float eps,
-                           int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        bf16_t *h = residual + r * res_stride;
-        bf16_t *o = out + r * out_stride;
-        float ss = 0.0f;
-        if (x != 0) {
-            const bf16_t *xr = x + r * x_stride;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) {
-                bf16_t s = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(xr[i]));
-                h[i] = s;
-                float f = bf16_to_f32(s);
-                ss += f * f;
-            }
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) {
-                float f = bf16_to_f32(h[i]);
-                ss += f * f;
-            }
-        }
-        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++)
-            o[i] = f32_to_bf16(bf16_to_f32(weight[i]) * round_bf16(bf16_to_f32(h[i]) * inv));
-    }
-}
-
-void kvf_rotary_bf16(bf16_t *x, int64_t row_stride, int64_t heads, int64_t head_dim,
-                     const bf16_t *cos_rows, const bf16_t *sin_rows, int64_t rows,
-                     int num_threads) {
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) \
-    if (rows * heads * head_dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16_t *c = cos_rows + r * half;
-        const bf16_t *s = sin_rows + r * half;
-        for (int64_t h = 0; h < heads; h++) {
-            bf16_t *a = x + r * row_stride + h * head_dim;
-            bf16_t *b = a + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = bf16_to_f32(a[i]), x2 = bf16_to_f32(b[i]);
-                float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
-                a[i] = f32_to_bf16(round_bf16(x1 * ci) - round_bf16(x2 * si));
-                b[i] = f32_to_bf16(round_bf16(x2 * ci) + round_bf16(x1 * si));
-            }
-        }
-    }
-}
-
-void kvf_silu_mul_bf16(const bf16_t *gate_up, int64_t in_stride, bf16_t *out,
-                       int64_t out_stride, int64_t rows, int64_t dim, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16_t *g = gate_up + r * in_stride;
-        const bf16_t *u = g + dim;
-        bf16_t *o = out + r * out_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) {
-            float gi = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(gi / (1.0f + expf(-gi))) * bf16_to_f32(u[i]));
-        }
-    }
-}
+DEFINE_ADD_RMS_NORM(kvf_add_rms_norm_f32, float, ld_f32, st_f32, rd_f32)
+DEFINE_ADD_RMS_NORM(kvf_add_rms_norm_bf16, bf16_t, ld_bf16, st_bf16, rd_bf16)
+DEFINE_ROTARY(kvf_rotary_f32, float, ld_f32, st_f32, rd_f32)
+DEFINE_ROTARY(kvf_rotary_bf16, bf16_t, ld_bf16, st_bf16, rd_bf16)
+DEFINE_SILU_MUL(kvf_silu_mul_f32, float, ld_f32, st_f32, rd_f32)
+DEFINE_SILU_MUL(kvf_silu_mul_bf16, bf16_t, ld_bf16, st_bf16, rd_bf16)
