@@ -226,7 +226,8 @@ def main() -> None:
     settings = ServerSettings(
         model_dir=model_dir,
         dtype=args.dtype,
-        max_model_len=2048,
+        # as serving.py: room for the longest prompt and its output
+        max_model_len=max(2048, args.input_len + args.output_len),
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     os.environ["KVFERRY_LOG_LEVEL"] = "DEBUG"
