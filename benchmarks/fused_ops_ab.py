@@ -27,7 +27,7 @@ from benchmarks.harness.paths import MODELS_DIR
 from benchmarks.harness.results import result_path, write_results_json
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="mid", help="a folder under .bench/models, or a path")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -35,12 +35,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out", help="results JSON (default: .bench/results/fused_ops_ab.json)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from kvferry import LLM, SamplingParams
 
     folder = Path(args.model) if Path(args.model).is_dir() else MODELS_DIR / args.model
     llm = LLM(model=str(folder), dtype=args.dtype, max_model_len=2048)
+    vocab = llm.engine.config.model_config.arch.vocab_size
     model = llm.engine.executor.worker.model
     modules = [m for m in model.modules() if getattr(m, "fused", None) is not None]
     if not modules:
@@ -53,7 +54,7 @@ def main() -> None:
         for m in modules:
             m.fused = ops if fused else None
         prompts = [
-            {"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(rng.randint(64, 256))]}
+            {"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(64, 256))]}
             for _ in range(args.prompts)
         ]
         t = time.perf_counter()
