@@ -23,13 +23,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness.connector_cost import paired_summary
-from benchmarks.harness.paths import MODELS_DIR
+from benchmarks.harness.models import bench_model
 from benchmarks.harness.results import result_path, write_results_json
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="mid", help="a folder under .bench/models, or a path")
+    ap.add_argument(
+        "--model", default="mid", help="a benchmark model name (benchmarks/models.py), or a folder"
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvferry import LLM, SamplingParams
 
-    folder = Path(args.model) if Path(args.model).is_dir() else MODELS_DIR / args.model
+    folder = Path(args.model) if Path(args.model).is_dir() else bench_model(args.model)
     llm = LLM(model=str(folder), dtype=args.dtype, max_model_len=2048)
     vocab = llm.engine.config.model_config.arch.vocab_size
     model = llm.engine.executor.worker.model

@@ -221,13 +221,13 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--json", type=Path, default=None, help="write the per-gap samples here")
     args = ap.parse_args()
-    model_dir = bench_model(args.model)
+    max_len = max(2048, args.input_len + args.output_len)  # as serving.py sizes it
+    model_dir = bench_model(args.model, max_len)
     cfg = json.loads((model_dir / "config.json").read_text())
     settings = ServerSettings(
         model_dir=model_dir,
         dtype=args.dtype,
-        # as serving.py: room for the longest prompt and its output
-        max_model_len=max(2048, args.input_len + args.output_len),
+        max_model_len=max_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     os.environ["KVFERRY_LOG_LEVEL"] = "DEBUG"
