@@ -12,9 +12,11 @@ Which path serves what (all on CPU):
 
 * fp32: each linear layer gets a oneDNN-packed copy of its weight. On an AVX2 or AVX-512 CPU
   it serves every step, prefill included (oneDNN's GEMMs beat MKL's on AMD CPUs, where MKL
-  takes generic kernels); below AVX2 it serves small steps (decode) and MKL the rest. Where
-  torch has no oneDNN the weight becomes input-major instead. Fused norm, rotary and
-  SiLU-and-mul kernels serve the elementwise steps.
+  takes generic kernels); below AVX2 it serves small steps (decode) and MKL the rest. At the
+  AVX2 level, steps of at most :data:`F32_KERNEL_MAX_ROWS` rows (decode, the logits) run a C
+  kernel on the dense weight instead, which beats oneDNN there. Where torch has no oneDNN the
+  weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
+  elementwise steps.
 * bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
   weight, for every step.
 * bf16 without them (e.g. AVX2 only, or ``KVFERRY_CPU_ISA=avx2``): steps of at most
@@ -44,10 +46,11 @@ import torch.nn.functional as F
 from kvferry import envs
 from kvferry.logger import fmt_fields, init_logger
 from kvferry.model.attention_workspace import AttentionWorkspace
-from kvferry.model.layers import GatedMLP, Linear, RMSNorm
+from kvferry.model.layers import GatedMLP, Linear, LinearKernel, RMSNorm
 from kvferry.model.llama import CausalLM, DecoderAttention
 from kvferry.native.argmax import ArgmaxKernel, load_argmax
 from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
+from kvferry.native.f32_linear import F32LinearKernel, load_f32_linear
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
@@ -73,6 +76,10 @@ MLP_CHUNK_BYTES = 16 << 20
 # CPU without bf16 instructions: below it the step is bound by the weight's bytes, which the
 # kernel reads once, as bf16; above it the fp32 GEMM's higher arithmetic rate wins.
 BF16_KERNEL_MAX_ROWS = 128
+# Up to this many rows the fp32 C kernel beats oneDNN's packed GEMM at the AVX2 level, where
+# oneDNN's small steps neither stream the weight at the memory rate nor compute at the GEMM
+# rate; the two cross near 40 rows on the benchmark models' shapes.
+F32_KERNEL_MAX_ROWS = 32
 
 
 def _native_fp16_matmul(features: CPUFeatures) -> bool:
@@ -182,6 +189,25 @@ class CPULinear:
         return cpu_linear(x, weight, bias, self.packed, self.emulated, self.max_rows)
 
 
+class SmallStepsLinear:
+    """A ``Linear.kernel``: a C kernel on the dense weight for 2-D steps of at most
+    ``max_rows`` rows, ``rest`` (or F.linear) for the others."""
+
+    def __init__(self, kernel: F32LinearKernel, max_rows: int, rest: LinearKernel | None) -> None:
+        self.kernel = kernel
+        self.max_rows = max_rows
+        self.rest = rest
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and self.kernel.supports(x, weight):
+            return self.kernel(x, weight, bias)
+        if self.rest is not None:
+            return self.rest(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+
 class BF16Linear:
     """A ``Linear.kernel`` for bf16 on a CPU without bf16 instructions: the C kernel for 2-D
     steps of at most ``max_rows`` rows (reading the bf16 weight once), the weight widened to
@@ -219,6 +245,7 @@ class CPUBackend:
         self.prefill_kernel: PagedPrefillKernel | None = None
         self.argmax: ArgmaxKernel | None = None
         self.bf16_linear: BF16LinearKernel | None = None
+        self.f32_linear: F32LinearKernel | None = None
         if dtype == torch.bfloat16:
             self.native_half = self.features.native_bf16
         else:
@@ -233,6 +260,8 @@ class CPUBackend:
                 self.prefill_kernel = load_paged_prefill()
             if dtype == torch.bfloat16 and not self.native_half:
                 self.bf16_linear = load_bf16_linear(self.features.isa)
+            if dtype == torch.float32 and self.features.isa == "avx2":
+                self.f32_linear = load_f32_linear("avx2")
             self.argmax = load_argmax()
         self.paths: dict[str, str] = {}
 
@@ -309,13 +338,24 @@ class CPUBackend:
                     layout = "input-major" if self.dtype == torch.float32 else _name(self.dtype)
                     self.paths.update(linear=f"torch-{layout}")
                 else:
-                    module.kernel = CPULinear(packed, max_rows=rows)
+                    module.kernel = self._small_steps(CPULinear(packed, max_rows=rows))
         if model.tie_word_embeddings:
             packed = pack_weight(model.model.embed_tokens.weight.data)
-            model.logits_kernel = None if packed is None else CPULinear(packed, max_rows=rows)
+            model.logits_kernel = (
+                None if packed is None else self._small_steps(CPULinear(packed, max_rows=rows))
+            )
         else:
             model.logits_kernel = model.lm_head.kernel
+        if self.f32_linear is not None and self.paths["linear"].startswith("onednn"):
+            name = f"c-f32-{self.f32_linear.variant}<={F32_KERNEL_MAX_ROWS}rows,"
+            self.paths.update(linear=name + self.paths["linear"])
         self.paths.update(logits=self.paths["linear"])
+
+    def _small_steps(self, rest: CPULinear) -> SmallStepsLinear | CPULinear:
+        """``rest``, with the fp32 C kernel in front of it where this backend has one."""
+        if self.f32_linear is None:
+            return rest
+        return SmallStepsLinear(self.f32_linear, F32_KERNEL_MAX_ROWS, rest)
 
 
 def _logits_weight(model: CausalLM) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""Every CPU path a bf16 model can take gives the same greedy tokens: oneDNN-packed bf16
-weights and torch's bf16 product (native bf16 CPUs), the C kernel's AVX2 and portable variants (forced with KVFERRY_CPU_ISA),
-the C kernel with widening for large steps, and widening alone (the kernel unbuildable).
-The other C kernels stay on in every run: they round differently from the torch ops they
-replace, which is not what this compares."""
+"""Every CPU path a model can take gives the same greedy tokens.
+
+bf16: oneDNN-packed bf16 weights and torch's bf16 product (native bf16 CPUs), the C kernel's
+AVX2 and portable variants (forced with KVFERRY_CPU_ISA), the C kernel with widening for large
+steps, and widening alone (the kernel unbuildable). fp32: the small-step C kernel in front of
+oneDNN (the AVX2 level), oneDNN alone (AVX-512, or the kernel unbuildable) and oneDNN for small
+steps with MKL for the rest (below AVX2). The other C kernels stay on in every run: they round
+differently from the torch ops they replace, which is not what this compares."""
 
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ def fresh_features() -> Iterator[None]:
     cf.cpu_features.cache_clear()
 
 
-def generate(folder: Path, caplog: pytest.LogCaptureFixture) -> tuple[list[list[int]], str]:
+def generate(
+    folder: Path, caplog: pytest.LogCaptureFixture, dtype: str = "bfloat16"
+) -> tuple[list[list[int]], str]:
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvferry"):
-        llm = LLM(model=str(folder), dtype="bfloat16", max_model_len=256)
+        llm = LLM(model=str(folder), dtype=dtype, max_model_len=256)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU paths")]
     assert len(lines) == 1
@@ -72,3 +77,35 @@ def test_every_bf16_path_gives_the_same_tokens(
             assert "linear=torch-bfloat16,widen" in line and "logits=fp32-copy" in line
     if own.native_bf16:  # the auto run took the packed bf16 weights
         assert "linear=onednn-bfloat16-packed" in runs["auto"]
+
+
+def test_every_fp32_path_gives_the_same_tokens(
+    tiny_model_factory: Callable[..., Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    folder = tiny_model_factory("llama", tie_word_embeddings=True)
+    own = cf.cpu_features()
+    if own.cpu_isa == "scalar":
+        pytest.skip("needs an AVX2 CPU")
+    real_loader = cpu_backend.load_f32_linear
+    want: list[list[int]] | None = None
+    # (level cap, whether the fp32 kernel builds, the linear path the backend must log)
+    small = f"c-f32-avx2<={cpu_backend.F32_KERNEL_MAX_ROWS}rows,"
+    cases = [
+        ("avx2", True, small + "onednn-float32-packedall-rows"),
+        ("avx2", False, "onednn-float32-packedall-rows"),
+        ("scalar", True, f"onednn-float32-packed<={cpu_backend.PACKED_MAX_ROWS}rows,torch"),
+    ]
+    if own.cpu_isa == "avx512":
+        cases.append(("avx512", True, "onednn-float32-packedall-rows"))
+    for isa, kernel, path in cases:
+        monkeypatch.setenv("KVFERRY_CPU_ISA", isa)
+        monkeypatch.setattr(
+            cpu_backend, "load_f32_linear", real_loader if kernel else lambda variant: None
+        )
+        cf.cpu_features.cache_clear()
+        got, line = generate(folder, caplog, dtype="float32")
+        assert f"linear={path} logits={path}" in line, (isa, kernel, line)
+        want = want or got
+        assert got == want, (isa, kernel, line)

@@ -25,16 +25,12 @@
 #include <string.h>
 
 #include "bf16.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "rows_linear.h"
 
 #define KVF_SCALAR 0
 #define KVF_AVX2 1
 #define KVF_AVX512 2
 
-/* Below this many multiply-adds a team of threads costs more than it saves. */
-#define PARALLEL_MIN_MACS (1 << 17)
 /* Weight rows per tile (their K elements stay in L1 while every x row passes over them) and
  * x rows per tile, per variant: as many accumulators as the vector registers hold. */
 #define NT 4
@@ -155,13 +151,6 @@ T256 __m256 odd256(const uint16_t *p) {
                                                 _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-T256 float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 T256 void tile256(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
                   const uint16_t *bias, int64_t m0, int MT, int64_t n0, int NR, int64_t K,
                   uint16_t *out, int64_t so) {
@@ -264,19 +253,12 @@ int kvf_bf16_linear(int variant, const uint16_t *x, int64_t sx, const uint16_t *
     const float *xf = 0;
     if (variant != KVF_SCALAR && !(xf = widen_x(x, sx, M, K, variant == KVF_AVX2 ? 8 : 16)))
         return -2;
-    /* Blocks of outputs, whole blocks per thread, so every tile but the last is full. */
-    const int64_t nb = variant == KVF_AVX2 ? NT256 : NT;
-    const int64_t blocks = (N + nb - 1) / nb;
+    const int64_t nb = variant == KVF_AVX2 ? NT256 : NT; /* outputs per tile */
     const int parallel = M * N * K >= PARALLEL_MIN_MACS && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
-        int64_t t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        int64_t n0 = b0 * nb, n1 = b1 * nb < N ? b1 * nb : N;
+        int64_t n0, n1;
+        thread_outputs(N, nb, &n0, &n1);
         if (n0 < n1) {
 #if defined(__x86_64__) && defined(__GNUC__)
             if (variant == KVF_AVX512)

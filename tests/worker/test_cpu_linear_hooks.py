@@ -1,5 +1,6 @@
-"""The bf16 linear hooks of the CPU backend: oneDNN-packed bf16 weights where the CPU has bf16
-instructions, the C kernel with widening above its row limit where it has not."""
+"""The linear hooks of the CPU backend: oneDNN-packed bf16 weights where the CPU has bf16
+instructions, the bf16 C kernel with widening above its row limit where it has not, and the
+fp32 small-step kernel in front of another path."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
+from kvferry.native.f32_linear import load_f32_linear
 from kvferry.worker import cpu_backend
-from kvferry.worker.cpu_backend import BF16Linear, cpu_linear, pack_weight
+from kvferry.worker.cpu_backend import BF16Linear, SmallStepsLinear, cpu_linear, pack_weight
 
 
 @pytest.mark.parametrize(
@@ -61,3 +63,26 @@ def test_kernel_hook_widens_above_its_row_limit() -> None:
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=0.05, rtol=1e-2)
     assert spy.calls == [1, 4]  # five rows took the widening branch
+
+
+def test_small_steps_hook_sends_larger_steps_to_the_rest() -> None:
+    kernel = load_f32_linear("scalar")
+    if kernel is None:
+        pytest.skip("native kernels are off or unbuildable here")
+    spy = Spy(kernel)  # type: ignore[arg-type]
+    rest_rows: list[int] = []
+
+    def rest(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        rest_rows.append(x.shape[0])
+        return F.linear(x, w, b)
+
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
+    for hook in (SmallStepsLinear(spy, 4, rest), SmallStepsLinear(spy, 4, None)):  # type: ignore[arg-type]
+        for rows in (1, 4, 5):
+            x = torch.randn(rows, 32, generator=g)
+            torch.testing.assert_close(hook(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        # a bf16 input is not the kernel's: it goes to the rest whatever its size
+        hook(torch.randn(2, 32, generator=g).bfloat16(), w.bfloat16(), None)
+    assert spy.calls == [1, 4, 1, 4]
+    assert rest_rows == [5, 2]

@@ -1,0 +1,73 @@
+"""The fp32 small-step linear kernel (``csrc/f32_linear.c``) against oneDNN's packed GEMM, in
+one engine.
+
+One ``LLM`` on a benchmark model (fp32, on a CPU where the backend picks the kernel: the AVX2
+level, or ``KVFERRY_CPU_ISA=avx2``); each round generates fresh prompts twice, once with the
+kernel serving steps of at most ``--max-rows`` rows and once with every step on oneDNN, in
+alternating order (see ``harness/kernel_ab.py``). Several ``--max-rows`` values run one after
+the other, each against oneDNN, to place the crossover.
+
+    .venv/bin/python benchmarks/f32_linear_ab.py --model mid --prompts 8
+    .venv/bin/python benchmarks/f32_linear_ab.py --model mid --prompts 32 --max-rows 16,32,48
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness.kernel_ab import ab_arguments, ab_rounds, ab_summary
+from benchmarks.harness.models import bench_model
+from benchmarks.harness.results import result_path, write_results_json
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ab_arguments(ap, "f32_linear_ab", prompts=8)
+    ap.add_argument("--max-rows", default="32", help="comma-separated row limits to try")
+    args = ap.parse_args(argv)
+    limits = [int(v) for v in args.max_rows.split(",")]
+
+    from kvferry import LLM
+    from kvferry.worker.cpu_backend import SmallStepsLinear
+
+    folder = Path(args.model) if Path(args.model).is_dir() else bench_model(args.model)
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=2048)
+    model = llm.engine.executor.worker.model
+    hooks = [getattr(m, "kernel", None) for m in model.modules()] + [model.logits_kernel]
+    small = [h for h in hooks if isinstance(h, SmallStepsLinear)]
+    if not small:
+        sys.exit(
+            "the fp32 linear kernel is not attached (not the AVX2 level: try KVFERRY_CPU_ISA=avx2;"
+            " no C compiler; or KVFERRY_NATIVE_KERNELS=0)"
+        )
+
+    results: dict[str, Any] = {}
+    names = ("kernel", "onednn")
+    for limit in limits:
+
+        def attach(on: bool, limit: int = limit) -> None:
+            for h in small:
+                h.max_rows = limit if on else 0
+
+        rates = ab_rounds(
+            llm, attach, names, prompts=args.prompts, max_tokens=args.max_tokens, rounds=args.rounds
+        )
+        label = f"{folder.name} fp32 p{args.prompts} kernel<={limit} rows"
+        results[str(limit)] = {
+            "tokens_per_s": rates,
+            "paired_gain": ab_summary(label, rates, names),
+        }
+    out = write_results_json(
+        args.out or result_path("f32_linear_ab"), {"settings": vars(args), "max_rows": results}
+    )
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()

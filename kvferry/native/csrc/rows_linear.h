@@ -1,0 +1,42 @@
+/*
+ * Pieces shared by the linear kernels for steps of a few rows (bf16_linear.c, f32_linear.c):
+ * when to use a thread team, which outputs each thread computes, and the AVX2 lane sum.
+ */
+#ifndef KVF_ROWS_LINEAR_H
+#define KVF_ROWS_LINEAR_H
+
+#include <stdint.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Below this many multiply-adds a team of threads costs more than it saves. */
+#define PARALLEL_MIN_MACS (1 << 17)
+
+/* The outputs [*n0, *n1) of N the calling thread of the current team computes: whole blocks
+ * of nb outputs per thread, so that every tile but the last is full. */
+static inline void thread_outputs(int64_t N, int64_t nb, int64_t *n0, int64_t *n1) {
+    int64_t t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    const int64_t blocks = (N + nb - 1) / nb;
+    const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+    *n0 = b0 * nb;
+    *n1 = b1 * nb < N ? b1 * nb : N;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+__attribute__((target("avx2,fma"), always_inline)) static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#endif

@@ -1,0 +1,116 @@
+"""The ctypes side shared by the linear kernels for steps of a few rows (``bf16_linear``,
+``f32_linear``): one C entry point ``kvf_<name>(variant, x, sx, w, sw, bias, M, N, K, out,
+so, threads)`` and ``kvf_<name>_variants()``, the bit mask of the variants in the build."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import ClassVar, TypeVar
+
+import torch
+
+from kvferry.native.build import load_library
+
+# Variant numbers shared by the C sources (KVF_SCALAR, KVF_AVX2, KVF_AVX512).
+VARIANT_CODES: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+class RowsLinearKernel:
+    """``F.linear(x, weight, bias)`` for CPU tensors of :attr:`DTYPE`, summed in fp32.
+
+    ``variant`` picks the instruction set; it must be one :meth:`compiled` lists and the CPU
+    runs (the caller decides from the CPU's features). :meth:`supports` says whether a call
+    can use it: a 2-D input with contiguous rows, a weight with contiguous rows, both of
+    :attr:`DTYPE`.
+    """
+
+    NAME: ClassVar[str]
+    DTYPE: ClassVar[torch.dtype]
+
+    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+        self._fn = getattr(lib, f"kvf_{self.NAME}")
+        self._fn.argtypes = [
+            ctypes.c_int,  # variant
+            ctypes.c_void_p,  # x
+            ctypes.c_int64,  # x row stride (elements)
+            ctypes.c_void_p,  # weight
+            ctypes.c_int64,  # weight row stride
+            ctypes.c_void_p,  # bias or NULL
+            ctypes.c_int64,  # M (rows of x)
+            ctypes.c_int64,  # N (outputs)
+            ctypes.c_int64,  # K (inputs)
+            ctypes.c_void_p,  # out
+            ctypes.c_int64,  # out row stride
+            ctypes.c_int,  # threads
+        ]
+        self._fn.restype = ctypes.c_int
+        variants = getattr(lib, f"kvf_{self.NAME}_variants")
+        variants.restype = ctypes.c_int
+        mask = variants()
+        self._compiled = tuple(n for n, bit in VARIANT_CODES.items() if mask & (1 << bit))
+        if variant not in self._compiled:
+            raise ValueError(f"{self.NAME} variant {variant!r} is not in this build")
+        self.variant = variant
+        self._code = VARIANT_CODES[variant]
+
+    def compiled(self) -> tuple[str, ...]:
+        """The variants this build of the kernel holds."""
+        return self._compiled
+
+    @classmethod
+    def supports(cls, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (
+            x.device.type == "cpu"
+            and x.dtype == cls.DTYPE
+            and weight.dtype == cls.DTYPE
+            and x.dim() == 2
+            and weight.dim() == 2
+            and x.shape[1] == weight.shape[1]
+            and x.stride(1) == 1
+            and weight.stride(1) == 1
+        )
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x``: ``[M, K]``, ``weight``: ``[N, K]``, ``bias``: ``[N]`` or None (see
+        :meth:`supports`); returns a new ``[M, N]`` tensor of :attr:`DTYPE`."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if bias is not None:
+            bias = bias.to(self.DTYPE).contiguous()
+        out = torch.empty((m, n), dtype=self.DTYPE)
+        rc = self._fn(
+            self._code,
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            weight.stride(0),
+            None if bias is None else bias.data_ptr(),
+            m,
+            n,
+            k,
+            out.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        if rc == -2:
+            raise MemoryError(f"{self.NAME}: could not allocate scratch memory")
+        if rc != 0:
+            raise RuntimeError(f"{self.NAME} variant {self.variant!r} failed (rc={rc})")
+        return out
+
+
+K = TypeVar("K", bound=RowsLinearKernel)
+
+
+def load_rows_kernel(cls: type[K], variant: str) -> K | None:
+    """``cls``'s kernel in ``variant``, built on first use; None where native kernels are off,
+    the kernel is unbuildable or this build lacks the variant."""
+    lib = load_library(cls.NAME)
+    if lib is None:
+        return None
+    try:
+        return cls(lib, variant)
+    except ValueError:
+        return None
