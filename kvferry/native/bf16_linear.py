@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-from kvferry.native.rows_linear import RowsLinearKernel, load_rows_kernel
+from kvferry.native.rows_linear import VARIANT_CODES, RowsLinearKernel, load_rows_kernel
 
 Variant = Literal["scalar", "avx2", "avx512"]
-# The kernel's variant numbers (rows_linear.VARIANT_CODES, KVF_* in the C source).
-VARIANTS: dict[Variant, int] = {"scalar": 0, "avx2": 1, "avx512": 2}
+# The kernel's variant numbers (KVF_* in the C source).
+VARIANTS: dict[Variant, int] = {v: VARIANT_CODES[v] for v in get_args(Variant)}
 
 
 class BF16LinearKernel(RowsLinearKernel):

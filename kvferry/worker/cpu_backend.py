@@ -54,6 +54,7 @@ from kvferry.native.f32_linear import F32LinearKernel, load_f32_linear
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
+from kvferry.native.rows_linear import RowsLinearKernel
 from kvferry.worker.cpu_features import CPUFeatures, cpu_features
 from kvferry.worker.malloc_tuning import tune_malloc
 
@@ -191,9 +192,9 @@ class CPULinear:
 
 class SmallStepsLinear:
     """A ``Linear.kernel``: a C kernel on the dense weight for 2-D steps of at most
-    ``max_rows`` rows, ``rest`` (or F.linear) for the others."""
+    ``max_rows`` rows, ``rest`` for the others."""
 
-    def __init__(self, kernel: F32LinearKernel, max_rows: int, rest: LinearKernel | None) -> None:
+    def __init__(self, kernel: RowsLinearKernel, max_rows: int, rest: LinearKernel) -> None:
         self.kernel = kernel
         self.max_rows = max_rows
         self.rest = rest
@@ -203,27 +204,23 @@ class SmallStepsLinear:
     ) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows and self.kernel.supports(x, weight):
             return self.kernel(x, weight, bias)
-        if self.rest is not None:
-            return self.rest(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return self.rest(x, weight, bias)
 
 
-class BF16Linear:
+def _widened_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+class BF16Linear(SmallStepsLinear):
     """A ``Linear.kernel`` for bf16 on a CPU without bf16 instructions: the C kernel for 2-D
     steps of at most ``max_rows`` rows (reading the bf16 weight once), the weight widened to
     fp32 for the call otherwise. Both sum exact products in fp32 and round once to bf16."""
 
     def __init__(self, kernel: BF16LinearKernel, max_rows: int) -> None:
-        self.kernel = kernel
-        self.max_rows = max_rows
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_rows and self.kernel.supports(x, weight):
-            return self.kernel(x, weight, bias)
-        b = None if bias is None else bias.float()
-        return F.linear(x.float(), weight.float(), b).to(x.dtype)
+        super().__init__(kernel, max_rows, _widened_linear)
 
 
 class CPUBackend:

@@ -78,7 +78,7 @@ def test_small_steps_hook_sends_larger_steps_to_the_rest() -> None:
 
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
-    for hook in (SmallStepsLinear(spy, 4, rest), SmallStepsLinear(spy, 4, None)):  # type: ignore[arg-type]
+    for hook in (SmallStepsLinear(spy, 4, rest), SmallStepsLinear(spy, 4, F.linear)):  # type: ignore[arg-type]
         for rows in (1, 4, 5):
             x = torch.randn(rows, 32, generator=g)
             torch.testing.assert_close(hook(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)

@@ -19,7 +19,6 @@
 
 #include "rows_linear.h"
 
-
 #define KVF_SCALAR 0
 #define KVF_AVX2 1
 
