@@ -153,9 +153,11 @@ T256 __m256 widen256(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+/* One tile of MT x rows by NR weight rows (constants after inlining). `next`: weight rows to
+ * prefetch a cache line of per row and 64 bytes of this tile's, or NULL. */
 T256 void tile256(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
                   const uint16_t *bias, int64_t m0, int MT, int64_t n0, int NR, int64_t K,
-                  uint16_t *out, int64_t so) {
+                  uint16_t *out, int64_t so, const uint16_t *next) {
     __m256 acc[MT256][NT256];
     for (int i = 0; i < MT; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
@@ -163,6 +165,9 @@ T256 void tile256(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
     for (int64_t k = 0; k < kv; k += 8) {
         __m256 wv[NT256];
         for (int j = 0; j < NR; j++) wv[j] = widen256(w + (n0 + j) * sw + k);
+        if (next && (k * (int64_t)sizeof *w) % 64 == 0)
+            for (int j = 0; j < NR; j++)
+                _mm_prefetch((const char *)(next + j * sw + k), _MM_HINT_T0);
         for (int i = 0; i < MT; i++) {
             __m256 xv = _mm256_loadu_ps(x + (m0 + i) * sx + k);
             for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -183,8 +188,8 @@ T256 void tile256(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
     do {                                                                                     \
         int64_t n = p0;                                                                      \
         for (; n + NT256 <= p1; n += NT256)                                                  \
-            tile256(x, sx, w, sw, bias, m, MT_, n, NT256, K, out, so);                       \
-        for (; n < p1; n++) tile256(x, sx, w, sw, bias, m, MT_, n, 1, K, out, so);           \
+            tile256(x, sx, w, sw, bias, m, MT_, n, NT256, K, out, so, NEXT_TILE(n, NT256));  \
+        for (; n < p1; n++) tile256(x, sx, w, sw, bias, m, MT_, n, 1, K, out, so, 0);        \
     } while (0)
 
 __attribute__((target("avx2,fma"))) static void

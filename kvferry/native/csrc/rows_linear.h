@@ -28,6 +28,13 @@ static inline void thread_outputs(int64_t N, int64_t nb, int64_t *n0, int64_t *n
     *n1 = b1 * nb < N ? b1 * nb : N;
 }
 
+/* Inside a tile loop over the weight rows [n0, n1) (with w, sw and the x row m in scope): the
+ * weight rows of the tile after the one at n, which the first pass of x rows over a panel
+ * prefetches while it computes. The hardware prefetchers lose track of rows only K elements
+ * long read a few at a time, so without it that pass waits on memory, and later passes (from
+ * L2) leave it idle (AVX2-only Zen 2, docs/benchmarks.md). NULL when no full tile follows. */
+#define NEXT_TILE(n, nt) (m == 0 && (n) + 2 * (nt) <= n1 ? w + ((n) + (nt)) * sw : 0)
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
