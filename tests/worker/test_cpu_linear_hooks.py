@@ -86,3 +86,21 @@ def test_small_steps_hook_sends_larger_steps_to_the_rest() -> None:
         hook(torch.randn(2, 32, generator=g).bfloat16(), w.bfloat16(), None)
     assert spy.calls == [1, 4, 1, 4]
     assert rest_rows == [5, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(9, 40), (2, 5, 40)])
+def test_widened_linear_is_the_fp32_product_rounded_once(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    w = torch.randn(24, 40, generator=g).to(dtype)
+    b = torch.randn(24, generator=g).to(dtype)
+    for weight in (w, w.t().contiguous().t()):  # a weight stored either way round
+        got = cpu_backend.widened_linear(x, weight, b)
+        assert got.dtype == dtype and got.shape == (*shape[:-1], 24)
+        want = F.linear(x.float(), w.float(), b.float())
+        # fp32 sums in another order, then one rounding: within a step of the dtype
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=2e-2, rtol=1e-2)
+    assert cpu_backend.widened_linear(x, w, None).shape == got.shape
