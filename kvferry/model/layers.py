@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.fused.supports(x):
+        # Heads: Qwen3's per-head q/k norm, on views into the qkv projection.
+        if self.fused is not None and (self.fused.supports(x) or self.fused.supports_heads(x)):
             return self.fused.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

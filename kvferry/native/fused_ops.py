@@ -12,8 +12,9 @@ from kvferry.native.build import load_library
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
-    # x, x stride, residual, residual stride, weight, out, out stride, rows, dim, eps, threads
-    "add_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT],
+    # x, x stride, residual, residual stride, weight, out, out stride, rows, heads, dim, eps,
+    # threads
+    "add_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _INT],
     # x, row stride, heads, head_dim, cos rows, sin rows, rows, threads
     "rotary": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT],
     # gate_up, in stride, out, out stride, rows, dim, threads
@@ -28,9 +29,10 @@ class FusedOps:
     result, and compute in fp32 in between as those ops do; fp16 keeps the torch ops.
 
     Each method takes 2-D tensors whose rows are contiguous (:meth:`supports`), except
-    :meth:`rotary_`, which takes 3-D ones whose heads are (:meth:`supports_heads`). Results agree with the
-    torch ops to fp32 rounding (different summation order, fused multiply-adds); in bf16 that
-    is bit for bit but for rare results one bf16 step apart.
+    :meth:`rotary_`, which takes 3-D ones whose heads are (:meth:`supports_heads`), and
+    :meth:`rms_norm`, which takes either. Results agree with the torch ops to fp32 rounding
+    (different summation order, fused multiply-adds); in bf16 that is bit for bit but for rare
+    results one bf16 step apart.
     """
 
     DTYPES = tuple(_SUFFIX)
@@ -67,9 +69,15 @@ class FusedOps:
         )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension, as a new tensor."""
+        """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension of rows ``[n, d]``
+        (:meth:`supports`) or heads ``[n, heads, head_dim]`` (:meth:`supports_heads`), as a new
+        contiguous tensor of ``x``'s shape."""
         out = torch.empty(x.shape, dtype=x.dtype)
-        self._norm(None, x, weight, eps, out)
+        if x.dim() == 3:
+            assert x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            self._norm(None, x, weight, eps, out, heads=x.shape[1])
+        else:
+            self._norm(None, x, weight, eps, out)
         return out
 
     def add_rms_norm_(
@@ -88,8 +96,9 @@ class FusedOps:
         weight: torch.Tensor,
         eps: float,
         out: torch.Tensor,
+        heads: int = 1,
     ) -> None:
-        rows, dim = residual.shape
+        rows, dim = residual.shape[0], residual.shape[-1]
         assert weight.is_contiguous() and weight.shape == (dim,) and weight.dtype == out.dtype
         assert residual.dtype == out.dtype and (x is None or x.dtype == out.dtype)
         self._fns["add_rms_norm", out.dtype](
@@ -101,6 +110,7 @@ class FusedOps:
             out.data_ptr(),
             out.stride(0),
             rows,
+            heads,
             dim,
             eps,
             torch.get_num_threads(),

@@ -135,6 +135,17 @@ def test_row_copy_merges_runs_and_checks_ids() -> None:
         kernel.plan([(srcs[0], torch.zeros(40, 3, 4))])
 
 
+def _bf16_close(got: torch.Tensor, want: torch.Tensor, share: float, steps: int) -> None:
+    """bf16 ``got`` equals ``want`` but for at most ``share`` of the elements, which are at most
+    ``steps`` bf16 steps off."""
+    assert got.dtype == want.dtype == torch.bfloat16
+    off = got != want
+    assert off.float().mean().item() <= share
+    # a bf16 step is at most 2**-7 of the value
+    rel = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
+    assert not off.any() or rel[off].max().item() <= steps * 2**-7
+
+
 @needs_cc
 @pytest.mark.parametrize("rows", [1, 7, 64, 600])  # 600 x 256 takes the threaded path
 def test_fused_ops_match_the_torch_ops(rows: int) -> None:
@@ -191,16 +202,8 @@ def test_bf16_fused_ops_round_where_the_torch_ops_do(rows: int) -> None:
     got = ops.add_rms_norm_(x, residual, norm.weight, 1e-6)
     assert torch.equal(residual, want_sum)
 
-    def close(got: torch.Tensor, want: torch.Tensor, share: float, steps: int) -> None:
-        assert got.dtype == want.dtype == bf
-        off = got != want
-        assert off.float().mean().item() <= share
-        # a bf16 step is at most 2**-7 of the value
-        rel = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
-        assert not off.any() or rel[off].max().item() <= steps * 2**-7
-
-    close(got, norm(want_sum), 1e-3, 1)
-    close(ops.rms_norm(x, norm.weight, 1e-6), norm(x), 1e-3, 1)
+    _bf16_close(got, norm(want_sum), 1e-3, 1)
+    _bf16_close(ops.rms_norm(x, norm.weight, 1e-6), norm(x), 1e-3, 1)
 
     rope = RotaryEmbedding(head_dim, 4096, 10000.0)
     cos, sin = rope.cos_sin(torch.randint(0, 4096, (rows,), generator=gen), bf)
@@ -214,7 +217,48 @@ def test_bf16_fused_ops_round_where_the_torch_ops_do(rows: int) -> None:
 
     gate_up = (3 * torch.randn(rows, 2 * inter, generator=gen)).to(bf)
     # one step in silu(gate) may become two in the rounded product
-    close(ops.silu_mul(gate_up), F.silu(gate_up[:, :inter]) * gate_up[:, inter:], 3e-3, 2)
+    _bf16_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :inter]) * gate_up[:, inter:], 3e-3, 2)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 600])  # 600 x 3 x 40 takes the threaded path
+def test_fused_rms_norm_of_strided_heads_matches_the_torch_formula(
+    rows: int, dtype: torch.dtype
+) -> None:
+    """Qwen3's per-head q/k norm: heads of a view into a wider qkv row, each normalised on its
+    own, into a new contiguous tensor."""
+    ops = load_fused_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows)
+    heads, head_dim, eps = 3, 40, 1e-6
+    weight = (1.0 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype)
+    qkv = (3 * torch.randn(rows, 7 * head_dim + 4, generator=gen)).to(dtype)
+    # k's place in qkv: an offset into the row and a row stride well past heads * head_dim
+    x = qkv[:, 2 * head_dim : 5 * head_dim].view(rows, heads, head_dim)
+    # (a one-row view gets a packed row stride, which no row ever steps over)
+    assert ops.supports_heads(x) and (rows == 1 or x.stride(0) == qkv.stride(0))
+    before = qkv.clone()
+
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    want = weight * h.to(x.dtype)
+    got = ops.rms_norm(x, weight, eps)
+    assert got.shape == x.shape and got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(qkv, before)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        _bf16_close(got, want, 1e-3, 1)
+
+    # Through the layer: the heads view takes the kernel, a layout it cannot take the torch ops.
+    norm = RMSNorm(head_dim, eps=eps).to(dtype)
+    norm.weight.data = weight
+    norm.fused = ops
+    assert torch.equal(norm(x), got)
+    xt = x.transpose(0, 1)
+    assert not ops.supports_heads(xt)
+    torch.testing.assert_close(norm(xt), want.transpose(0, 1), atol=0, rtol=0)
 
 
 @needs_cc

@@ -5,7 +5,9 @@
  * each of which dispatches, allocates and makes a pass over memory; at decode sizes the
  * dispatch dominates and at prefill sizes the passes do. Here each is one pass per row.
  *
- *   add_rms_norm   residual += x (unless x is NULL); out = rms_norm(residual) * weight
+ *   add_rms_norm   residual += x (unless x is NULL); out = rms_norm(residual) * weight, each
+ *                  row's `heads` groups of `dim` elements normalised on their own (heads = 1:
+ *                  whole rows; more: Qwen3's per-head q/k norm)
  *   rotary         rotate-half rotary embedding of `heads` heads of each row, in place
  *   silu_mul       out = silu(gate) * up, gate and up the two halves of each input row
  *
@@ -35,17 +37,22 @@ static inline float rd_f32(float x) { return x; }
 #define st_bf16 f32_to_bf16
 #define rd_bf16 round_bf16
 
+/* x, residual, out: [rows, heads * dim] with row strides; each group of `dim` is normalised.
+ * Rows and heads share one loop so that a few rows of many heads still spread over the
+ * threads. */
 #define DEFINE_ADD_RMS_NORM(NAME, T, LD, ST, RD)                                             \
     void NAME(const T *x, int64_t x_stride, T *residual, int64_t res_stride, const T *weight, \
-              T *out, int64_t out_stride, int64_t rows, int64_t dim, float eps,              \
-              int num_threads) {                                                             \
-        _Pragma("omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)") \
-        for (int64_t r = 0; r < rows; r++) {                                                 \
-            T *h = residual + r * res_stride;                                                \
-            T *o = out + r * out_stride;                                                     \
+              T *out, int64_t out_stride, int64_t rows, int64_t heads, int64_t dim,          \
+              float eps, int num_threads) {                                                  \
+        const int64_t groups = rows * heads;                                                 \
+        _Pragma("omp parallel for num_threads(num_threads) if (groups * dim >= PARALLEL_MIN_ELEMS)") \
+        for (int64_t g = 0; g < groups; g++) {                                               \
+            const int64_t r = g / heads, off = (g % heads) * dim;                            \
+            T *h = residual + r * res_stride + off;                                          \
+            T *o = out + r * out_stride + off;                                               \
             float ss = 0.0f;                                                                 \
             if (x != 0) {                                                                    \
-                const T *xr = x + r * x_stride;                                              \
+                const T *xr = x + r * x_stride + off;                                        \
                 _Pragma("omp simd reduction(+ : ss)")                                        \
                 for (int64_t i = 0; i < dim; i++) {                                          \
                     T s = ST(LD(h[i]) + LD(xr[i]));                                          \
