@@ -35,11 +35,12 @@ from benchmarks.harness.bandwidth import measure_copy_bandwidth, weight_bytes_pe
 from benchmarks.harness.compute import linear_flops, load_config, measure_matmul_rate
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.models import bench_model
+from benchmarks.harness.paths import REPO_ROOT
 from benchmarks.harness.quiet import read_loadavg, wait_until
 from benchmarks.harness.results import result_path, run_header, write_json
+from benchmarks.harness.throughput.rows import DTYPES
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+SHORT = {dtype: short for short, dtype in DTYPES.items()}
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:

@@ -152,15 +152,9 @@ def cpu_linear(
     """
     if packed is not None and x.dim() == 2 and (max_rows is None or x.shape[0] <= max_rows):
         if packed.dtype == x.dtype:
-            same: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), packed, bias, "none", [], ""
-            )
-            return same
+            return _onednn_linear(x, packed, bias)
         b = None if bias is None else bias.float()
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.float().contiguous(), packed, b, "none", [], ""
-        )
-        return out.to(x.dtype)
+        return _onednn_linear(x.float(), packed, b).to(x.dtype)
     if emulated is None:
         emulated = emulated_half_matmul(x.dtype)
     if x.device.type == "cpu" and emulated and x.numel() >= _UPCAST_MIN_ROWS * x.shape[-1]:
@@ -180,6 +174,17 @@ def _has_onednn_linear() -> bool:
 _ONEDNN_LINEAR = _has_onednn_linear()
 
 
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """oneDNN's linear of a 2-D ``x`` with a plain or packed (:func:`pack_weight`) weight of
+    ``x``'s dtype."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+        x.contiguous(), weight, bias, "none", [], ""
+    )
+    return out
+
+
 def widened_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -190,10 +195,7 @@ def widened_linear(
     b = None if bias is None else bias.float()
     wide = weight.float().contiguous()
     if _ONEDNN_LINEAR and x.dim() == 2:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.float().contiguous(), wide, b, "none", [], ""
-        )
-        return out.to(x.dtype)
+        return _onednn_linear(x.float(), wide, b).to(x.dtype)
     return F.linear(x.float(), wide, b).to(x.dtype)
 
 
