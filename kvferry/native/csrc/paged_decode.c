@@ -3,10 +3,11 @@
  *
  * Each request has one query token; its keys and values are read in place from the blocks
  * named by its block-table row, so nothing is gathered into a staging buffer first (with a
- * gather, every byte of context is read, written and read again). Work items are whole
- * requests, or (request, kv head) pairs when there are too few requests to keep every
- * thread busy, spread over OpenMP threads; the query heads that share a kv head are served
- * by one pass over its keys and values.
+ * gather, every byte of context is read, written and read again). Work items are runs of
+ * a request's kv heads (whole requests when there are enough of them to keep every thread
+ * busy), spread over OpenMP threads; the query heads that share a kv head are served by one
+ * pass over its keys and values. With AVX2 and a head_dim that is a multiple of 8, vector
+ * items serve every call (fp32 and bf16); the portable items serve the rest.
  *
  * Layouts (all C-contiguous except q's row stride and the cache's inner strides):
  *   q      [num_reqs, num_heads, head_dim], row r at q + r * q_row_stride
@@ -174,6 +175,203 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
 DEFINE_ITEM(item_f32, float, ROW_F32)
 DEFINE_ITEM(item_bf16, bf16_t, ROW_BF16)
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* ---- AVX2 + FMA items: the same arithmetic with bf16 widened in registers ---------------
+ * The portable item is bound by its own instructions, not by memory: bf16 rows widened
+ * through a buffer, one horizontal sum per score. Here four tokens' scores for two query
+ * heads build up in eight registers over one pass of the keys and four sums are reduced at
+ * once; the values are added four tokens at a time into two query heads' rows. The
+ * hardware prefetcher keeps up with these passes: a software prefetch of the next block
+ * made them slower (AVX2-only Zen 2). */
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+static inline __m256 load8_bf16(const bf16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* The lane sums of a0..a3, in that order. */
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+static inline float hsum1(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Row j of the block at `base`: the item's heads of its token j. */
+#define ROW_AT(base, j) ((base) + (j) * tok_stride)
+
+#define DEFINE_AVX2_ITEM(NAME, T, LOAD8)                                                      \
+    /* Scores of tokens k, k + ts, k + 2ts, k + 3ts against query rows qa and qb. */          \
+    static inline void NAME##_k4x2(const float *qa, const float *qb, const T *k, int64_t ts, \
+                                   int64_t d, float *sa, float *sb) {                         \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                            \
+        for (int64_t c = 0; c < d; c += 8) {                                                  \
+            const __m256 q0 = _mm256_loadu_ps(qa + c), q1 = _mm256_loadu_ps(qb + c);          \
+            const __m256 k0 = LOAD8(k + c), k1 = LOAD8(k + ts + c);                           \
+            const __m256 k2 = LOAD8(k + 2 * ts + c), k3 = LOAD8(k + 3 * ts + c);              \
+            a0 = _mm256_fmadd_ps(q0, k0, a0);                                                 \
+            a1 = _mm256_fmadd_ps(q0, k1, a1);                                                 \
+            a2 = _mm256_fmadd_ps(q0, k2, a2);                                                 \
+            a3 = _mm256_fmadd_ps(q0, k3, a3);                                                 \
+            b0 = _mm256_fmadd_ps(q1, k0, b0);                                                 \
+            b1 = _mm256_fmadd_ps(q1, k1, b1);                                                 \
+            b2 = _mm256_fmadd_ps(q1, k2, b2);                                                 \
+            b3 = _mm256_fmadd_ps(q1, k3, b3);                                                 \
+        }                                                                                     \
+        _mm_storeu_ps(sa, hsum4(a0, a1, a2, a3));                                             \
+        _mm_storeu_ps(sb, hsum4(b0, b1, b2, b3));                                             \
+    }                                                                                         \
+    static inline void NAME##_k4x1(const float *qa, const T *k, int64_t ts, int64_t d,       \
+                                   float *sa) {                                               \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
+        for (int64_t c = 0; c < d; c += 8) {                                                  \
+            const __m256 q0 = _mm256_loadu_ps(qa + c);                                        \
+            a0 = _mm256_fmadd_ps(q0, LOAD8(k + c), a0);                                       \
+            a1 = _mm256_fmadd_ps(q0, LOAD8(k + ts + c), a1);                                  \
+            a2 = _mm256_fmadd_ps(q0, LOAD8(k + 2 * ts + c), a2);                              \
+            a3 = _mm256_fmadd_ps(q0, LOAD8(k + 3 * ts + c), a3);                              \
+        }                                                                                     \
+        _mm_storeu_ps(sa, hsum4(a0, a1, a2, a3));                                             \
+    }                                                                                         \
+    static inline float NAME##_k1(const float *qa, const T *k, int64_t d) {                  \
+        __m256 a = _mm256_setzero_ps();                                                       \
+        for (int64_t c = 0; c < d; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qa + c), LOAD8(k + c), a); \
+        return hsum1(a);                                                                      \
+    }                                                                                         \
+    /* y += p[0] v + p[1] v[ts] + p[2] v[2ts] + p[3] v[3ts] for n query heads: rows y ys    \
+     * apart, their scores p ps apart. */                                                  \
+    static inline void NAME##_v4(float *y, int64_t ys, const float *p, int64_t ps, int64_t n, \
+                                 const T *v, int64_t ts, int64_t d) {                         \
+        for (int64_t x = 0; x + 1 < n; x += 2) {                                              \
+            const float *pa = p + x * ps, *pb = pa + ps;                                      \
+            const __m256 a0 = _mm256_set1_ps(pa[0]), a1 = _mm256_set1_ps(pa[1]);              \
+            const __m256 a2 = _mm256_set1_ps(pa[2]), a3 = _mm256_set1_ps(pa[3]);              \
+            const __m256 b0 = _mm256_set1_ps(pb[0]), b1 = _mm256_set1_ps(pb[1]);              \
+            const __m256 b2 = _mm256_set1_ps(pb[2]), b3 = _mm256_set1_ps(pb[3]);              \
+            float *ya = y + x * ys, *yb = ya + ys;                                            \
+            for (int64_t c = 0; c < d; c += 8) {                                              \
+                const __m256 v0 = LOAD8(v + c), v1 = LOAD8(v + ts + c);                       \
+                const __m256 v2 = LOAD8(v + 2 * ts + c), v3 = LOAD8(v + 3 * ts + c);          \
+                __m256 s = _mm256_loadu_ps(ya + c), t = _mm256_loadu_ps(yb + c);              \
+                s = _mm256_fmadd_ps(a0, v0, s);                                               \
+                t = _mm256_fmadd_ps(b0, v0, t);                                               \
+                s = _mm256_fmadd_ps(a1, v1, s);                                               \
+                t = _mm256_fmadd_ps(b1, v1, t);                                               \
+                s = _mm256_fmadd_ps(a2, v2, s);                                               \
+                t = _mm256_fmadd_ps(b2, v2, t);                                               \
+                s = _mm256_fmadd_ps(a3, v3, s);                                               \
+                t = _mm256_fmadd_ps(b3, v3, t);                                               \
+                _mm256_storeu_ps(ya + c, s);                                                  \
+                _mm256_storeu_ps(yb + c, t);                                                  \
+            }                                                                                 \
+        }                                                                                     \
+        if (n % 2) {                                                                          \
+            const float *pa = p + (n - 1) * ps;                                               \
+            const __m256 a0 = _mm256_set1_ps(pa[0]), a1 = _mm256_set1_ps(pa[1]);              \
+            const __m256 a2 = _mm256_set1_ps(pa[2]), a3 = _mm256_set1_ps(pa[3]);              \
+            float *ya = y + (n - 1) * ys;                                                     \
+            for (int64_t c = 0; c < d; c += 8) {                                              \
+                __m256 s = _mm256_loadu_ps(ya + c);                                           \
+                s = _mm256_fmadd_ps(a0, LOAD8(v + c), s);                                     \
+                s = _mm256_fmadd_ps(a1, LOAD8(v + ts + c), s);                                \
+                s = _mm256_fmadd_ps(a2, LOAD8(v + 2 * ts + c), s);                            \
+                s = _mm256_fmadd_ps(a3, LOAD8(v + 3 * ts + c), s);                            \
+                _mm256_storeu_ps(ya + c, s);                                                  \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    static inline void NAME##_v1(float *y, int64_t ys, const float *p, int64_t ps, int64_t n, \
+                                 const T *v, int64_t d) {                                     \
+        for (int64_t x = 0; x < n; x++) {                                                     \
+            const __m256 a = _mm256_set1_ps(p[x * ps]);                                       \
+            for (int64_t c = 0; c < d; c += 8)                                                \
+                _mm256_storeu_ps(y + x * ys + c,                                              \
+                                 _mm256_fmadd_ps(a, LOAD8(v + c), _mm256_loadu_ps(y + x * ys + c))); \
+        }                                                                                     \
+    }                                                                                         \
+    /* One pass over the item's blocks of `src` (keys or values), four rows at a time. */    \
+    static void NAME(const float *qf, const T *cache, int64_t num_blocks, int64_t block_size, \
+                     int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,              \
+                     int64_t head_stride, const int64_t *brow, int64_t len, int64_t h0,       \
+                     int64_t nh, int64_t group, float scale, int64_t window, float *scores,   \
+                     float *acc, float *gsum, float *rows) {                                  \
+        (void)rows;                                                                           \
+        const int64_t lo = window > 0 && len > window ? len - window : 0;                     \
+        const int64_t first = lo - lo % block_size;                                           \
+        const int64_t block_elems = block_size * num_kv_heads * head_dim;                     \
+        const int64_t nq = nh * group, d = head_dim, ts = tok_stride;                         \
+        for (int pass = 0; pass < 2; pass++) {                                                \
+            const T *src = cache + pass * num_blocks * block_elems;                           \
+            if (pass == 1) {                                                                  \
+                for (int64_t x = 0; x < nq; x++) {                                            \
+                    float *sx = scores + x * len;                                             \
+                    float m = sx[lo], z = 0.0f;                                               \
+                    for (int64_t t = lo + 1; t < len; t++) m = sx[t] > m ? sx[t] : m;         \
+                    _Pragma("omp simd reduction(+ : z)") for (int64_t t = lo; t < len; t++) { \
+                        sx[t] = expf((sx[t] - m) * scale);                                    \
+                        z += sx[t];                                                           \
+                    }                                                                         \
+                    gsum[x] = z;                                                              \
+                }                                                                             \
+                memset(acc, 0, sizeof(float) * nq * head_dim);                                \
+            }                                                                                 \
+            for (int64_t t0 = first; t0 < len; t0 += block_size) {                            \
+                const int64_t n = len - t0 < block_size ? len - t0 : block_size;              \
+                const T *base = src + brow[t0 / block_size] * block_elems + h0 * head_stride; \
+                int64_t j = t0 < lo ? lo - t0 : 0;                                            \
+                for (; j + 4 <= n; j += 4) {                                                  \
+                    for (int64_t h = 0; h < nh; h++) {                                        \
+                        const T *r = ROW_AT(base, j) + h * head_stride;                       \
+                        const int64_t x0 = h * group;                                         \
+                        if (pass == 0) {                                                      \
+                            int64_t x = x0;                                                   \
+                            for (; x + 1 < x0 + group; x += 2)                                \
+                                NAME##_k4x2(qf + x * d, qf + (x + 1) * d, r, ts, d,            \
+                                            scores + x * len + t0 + j,                        \
+                                            scores + (x + 1) * len + t0 + j);                 \
+                            if (x < x0 + group)                                               \
+                                NAME##_k4x1(qf + x * d, r, ts, d, scores + x * len + t0 + j); \
+                        } else {                                                              \
+                            NAME##_v4(acc + x0 * d, d, scores + x0 * len + t0 + j, len, group, \
+                                      r, ts, d);                                              \
+                        }                                                                     \
+                    }                                                                         \
+                }                                                                             \
+                for (; j < n; j++) {                                                          \
+                    for (int64_t h = 0; h < nh; h++) {                                        \
+                        const T *r = ROW_AT(base, j) + h * head_stride;                       \
+                        const int64_t x0 = h * group;                                         \
+                        if (pass == 0)                                                        \
+                            for (int64_t x = x0; x < x0 + group; x++)                         \
+                                scores[x * len + t0 + j] = NAME##_k1(qf + x * d, r, d);       \
+                        else                                                                  \
+                            NAME##_v1(acc + x0 * d, d, scores + x0 * len + t0 + j, len, group, \
+                                      r, d);                                                  \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t x = 0; x < nq; x++) {                                                    \
+            const float inv = 1.0f / gsum[x];                                                 \
+            for (int64_t i = 0; i < head_dim; i++) acc[x * head_dim + i] *= inv;              \
+        }                                                                                     \
+    }
+
+DEFINE_AVX2_ITEM(avx2_item_f32, float, load8_f32)
+DEFINE_AVX2_ITEM(avx2_item_bf16, bf16_t, load8_bf16)
+#define HAVE_AVX2_ITEMS 1
+#endif
+
 static int64_t max_len(const int64_t *lens, int64_t n) {
     int64_t m = 1;
     for (int64_t i = 0; i < n; i++)
@@ -181,16 +379,24 @@ static int64_t max_len(const int64_t *lens, int64_t n) {
     return m;
 }
 
-/* Items are whole requests when there are enough to keep every thread busy (and a token's
- * heads are adjacent), otherwise single (request, kv head) pairs. */
+/* Items are runs of adjacent kv heads of one request (whole requests when there are
+ * enough of them), single (request, kv head) pairs where a token's heads are not adjacent. */
 static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t head_dim,
                               int64_t head_stride, int num_threads) {
     if (head_stride != head_dim) return 1;
-    return num_reqs >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
+    /* The most heads per item that still leaves enough items to balance: plenty for the
+     * dynamic schedule, or a whole number per thread (items of one request are equal). */
+    for (int64_t nh = num_kv_heads; nh > 1; nh--) {
+        if (num_kv_heads % nh) continue;
+        const int64_t items = num_reqs * (num_kv_heads / nh);
+        if (items >= 4 * (int64_t)num_threads || (items >= num_threads && items % num_threads == 0))
+            return nh;
+    }
+    return 1;
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
-#define DEFINE_DRIVER(NAME, T, ITEM, WIDEN_Q, STORE_OUT)                                      \
+#define DEFINE_DRIVER(NAME, T, ITEM, FAST_ITEM, WIDEN_Q, STORE_OUT)                                      \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
              int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,  \
              int64_t head_stride, const int64_t *table, int64_t table_stride,                 \
@@ -200,6 +406,7 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t he
         const int64_t nh =                                                                    \
             heads_per_item(num_reqs, num_kv_heads, head_dim, head_stride, num_threads);       \
         const int64_t per_kv = num_kv_heads / nh, nq = nh * group;                            \
+        const int fast = HAVE_AVX2_ITEMS && head_dim % 8 == 0;                                \
         int failed = 0;                                                                       \
         _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)") {              \
             float *scratch = malloc(sizeof(float) *                                           \
@@ -215,7 +422,7 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t he
                 const int64_t r = item / per_kv, h0 = (item % per_kv) * nh;                   \
                 const T *qr = q + r * q_row_stride + h0 * group * head_dim;                   \
                 T *o = out + (r * num_kv_heads + h0) * group * head_dim;                      \
-                ITEM(WIDEN_Q(qr), cache, num_blocks, block_size, num_kv_heads, head_dim,      \
+                (fast ? FAST_ITEM : ITEM)(WIDEN_Q(qr), cache, num_blocks, block_size, num_kv_heads, head_dim,      \
                      tok_stride, head_stride, table + r * table_stride, lens[r], h0, nh,      \
                      group, scale, window, scores, acc, gsum, rows);                          \
                 STORE_OUT(o, acc, nq * head_dim);                                             \
@@ -235,5 +442,10 @@ static inline void store_bf16(bf16_t *o, const float *acc, int64_t n) {
 
 #define Q_F32(qr) (qr)
 #define Q_BF16(qr) (widen(qf, (qr), nq * head_dim), qf)
-DEFINE_DRIVER(kvf_paged_decode_f32, float, item_f32, Q_F32, store_f32)
-DEFINE_DRIVER(kvf_paged_decode_bf16, bf16_t, item_bf16, Q_BF16, store_bf16)
+#ifndef HAVE_AVX2_ITEMS
+#define HAVE_AVX2_ITEMS 0
+#define avx2_item_f32 item_f32
+#define avx2_item_bf16 item_bf16
+#endif
+DEFINE_DRIVER(kvf_paged_decode_f32, float, item_f32, avx2_item_f32, Q_F32, store_f32)
+DEFINE_DRIVER(kvf_paged_decode_bf16, bf16_t, item_bf16, avx2_item_bf16, Q_BF16, store_bf16)

@@ -1,0 +1,84 @@
+"""The paged decode kernel against an fp64 reference over the shapes that pick its paths:
+head dims a multiple of 8 (the vector items) or not (the portable ones), query-head groups
+of 1, 2, 3 and 8 (pairs of query heads and a single one left over), lengths that end inside
+a 4-token run, and request counts that split a request's heads over several items or not."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from kvferry.native.paged_decode import load_paged_decode
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
+)
+
+BLOCK = 16
+
+
+def _case(
+    num_reqs: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([[1, 3, 17, 64, 130][r % 5] + r for r in range(num_reqs)])
+    width = int(-(-lens.max() // BLOCK))
+    pool = num_reqs * width + 2
+    cache = torch.randn(2, pool, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(pool, generator=gen)[: num_reqs * width].view(num_reqs, width)
+    q = torch.randn(num_reqs, heads, head_dim, generator=gen).to(dtype)
+    return q, cache, table.contiguous(), lens
+
+
+def _reference(
+    q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
+    out = []
+    for r, n in enumerate(lens.tolist()):
+        k = cache[0][table[r]].flatten(0, 1)[:n].double()
+        v = cache[1][table[r]].flatten(0, 1)[:n].double()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,khd->hk", q[r].double(), k) * q.shape[-1] ** -0.5
+        out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [128, 36])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(16, 8), (12, 4), (4, 4), (8, 1)])
+@pytest.mark.parametrize("num_reqs", [1, 3, 40])
+def test_decode_kernel_matches_the_reference(
+    dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, num_reqs: int
+) -> None:
+    kernel = load_paged_decode()
+    assert kernel is not None
+    q, cache, table, lens = _case(num_reqs, heads, kv_heads, head_dim, dtype, seed=heads)
+    out = kernel(q, cache, table, lens, head_dim**-0.5)
+    ref = _reference(q, cache, table, lens)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_reqs", [1, 3, 8])
+def test_decode_kernel_gives_the_same_bits_whatever_the_thread_count(
+    dtype: torch.dtype, num_reqs: int
+) -> None:
+    """The thread count decides how a request's heads are split into work items; each head's
+    arithmetic must not depend on it."""
+    kernel = load_paged_decode()
+    assert kernel is not None
+    q, cache, table, lens = _case(num_reqs, 16, 8, 128, dtype, seed=num_reqs)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(kernel(q, cache, table, lens, 128**-0.5))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
