@@ -72,6 +72,31 @@ static inline void axpy4(float *y, const float *p, const float *x0, const float 
     for (int64_t i = 0; i < n; i++) y[i] += p[0] * x0[i] + p[1] * x1[i] + p[2] * x2[i] + p[3] * x3[i];
 }
 
+/* Scores [nq][len] (keys lo .. len - 1 used) to exp((s - max) * scale), in place; gsum[x]
+ * gets row x's sum. */
+static inline void softmax_rows(float *scores, int64_t nq, int64_t len, int64_t lo, float scale,
+                                float *gsum) {
+    for (int64_t x = 0; x < nq; x++) {
+        float *sx = scores + x * len;
+        float m = sx[lo], z = 0.0f;
+        for (int64_t t = lo + 1; t < len; t++) m = sx[t] > m ? sx[t] : m;
+#pragma omp simd reduction(+ : z)
+        for (int64_t t = lo; t < len; t++) {
+            sx[t] = expf((sx[t] - m) * scale);
+            z += sx[t];
+        }
+        gsum[x] = z;
+    }
+}
+
+/* Divides each of the nq rows of acc [nq][head_dim] by its softmax sum. */
+static inline void normalise_rows(float *acc, const float *gsum, int64_t nq, int64_t head_dim) {
+    for (int64_t x = 0; x < nq; x++) {
+        const float inv = 1.0f / gsum[x];
+        for (int64_t i = 0; i < head_dim; i++) acc[x * head_dim + i] *= inv;
+    }
+}
+
 /* Asks for the next block's rows while the current one is computed: blocks sit at random
  * places in the pool, so the hardware prefetcher cannot run ahead across them. */
 static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64_t bytes) {
@@ -128,16 +153,7 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
                         dot(qf + x * head_dim, k + (x / group) * head_dim, head_dim);         \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t x = 0; x < nq; x++) {                                                    \
-            float *sx = scores + x * len;                                                     \
-            float m = sx[lo], z = 0.0f;                                                       \
-            for (int64_t t = lo + 1; t < len; t++) m = sx[t] > m ? sx[t] : m;                 \
-            _Pragma("omp simd reduction(+ : z)") for (int64_t t = lo; t < len; t++) {         \
-                sx[t] = expf((sx[t] - m) * scale);                                            \
-                z += sx[t];                                                                   \
-            }                                                                                 \
-            gsum[x] = z;                                                                      \
-        }                                                                                     \
+        softmax_rows(scores, nq, len, lo, scale, gsum);                                       \
         memset(acc, 0, sizeof(float) * nq * head_dim);                                        \
         for (int64_t t0 = first; t0 < len; t0 += block_size) {                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                  \
@@ -163,10 +179,7 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
                          v + (x / group) * head_dim, head_dim);                               \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t x = 0; x < nq; x++) {                                                    \
-            const float inv = 1.0f / gsum[x];                                                 \
-            for (int64_t i = 0; i < head_dim; i++) acc[x * head_dim + i] *= inv;              \
-        }                                                                                     \
+        normalise_rows(acc, gsum, nq, head_dim);                                              \
     }
 
 #define ROW_F32(p, slot) (p)
@@ -313,16 +326,7 @@ static inline float hsum1(__m256 v) {
         for (int pass = 0; pass < 2; pass++) {                                                \
             const T *src = cache + pass * num_blocks * block_elems;                           \
             if (pass == 1) {                                                                  \
-                for (int64_t x = 0; x < nq; x++) {                                            \
-                    float *sx = scores + x * len;                                             \
-                    float m = sx[lo], z = 0.0f;                                               \
-                    for (int64_t t = lo + 1; t < len; t++) m = sx[t] > m ? sx[t] : m;         \
-                    _Pragma("omp simd reduction(+ : z)") for (int64_t t = lo; t < len; t++) { \
-                        sx[t] = expf((sx[t] - m) * scale);                                    \
-                        z += sx[t];                                                           \
-                    }                                                                         \
-                    gsum[x] = z;                                                              \
-                }                                                                             \
+                softmax_rows(scores, nq, len, lo, scale, gsum);                               \
                 memset(acc, 0, sizeof(float) * nq * head_dim);                                \
             }                                                                                 \
             for (int64_t t0 = first; t0 < len; t0 += block_size) {                            \
@@ -361,10 +365,7 @@ static inline float hsum1(__m256 v) {
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t x = 0; x < nq; x++) {                                                    \
-            const float inv = 1.0f / gsum[x];                                                 \
-            for (int64_t i = 0; i < head_dim; i++) acc[x * head_dim + i] *= inv;              \
-        }                                                                                     \
+        normalise_rows(acc, gsum, nq, head_dim);                                              \
     }
 
 DEFINE_AVX2_ITEM(avx2_item_f32, float, load8_f32)
