@@ -1,0 +1,258 @@
+"""The paged decode-attention kernel (``csrc/paged_decode.c``) against its build at another git
+revision, both loaded in one process.
+
+``kernel``: one call per layer of a model's shape (its kv heads, head dim and query heads, the
+layers' pools ``--pool-mib`` each, blocks at random places, so the K/V come from memory), for
+each ``requests x tokens`` case and dtype; the best of ``--rounds`` alternating rounds of the
+two builds, as GB/s of K/V a step reads.
+
+``engine``: one ``LLM`` whose decode kernel has its entry points swapped between the two builds
+in alternating runs; a decode step is (the time to generate 33 tokens - the time for 1) / 32,
+fresh random prompts each run; the paired speed-up per round.
+
+    .venv/bin/python benchmarks/paged_decode_ab.py --baseline 17ae970^
+    .venv/bin/python benchmarks/paged_decode_ab.py --baseline 17ae970^ --parts engine \\
+        --model qwen3-0.6b --engine-cases 1x512,1x2048 --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness.compute import load_config
+from benchmarks.harness.markdown import markdown_table
+from benchmarks.harness.models import bench_model
+from benchmarks.harness.paths import REPO_ROOT
+from benchmarks.harness.quiet import read_loadavg, wait_until
+from benchmarks.harness.results import result_path, run_header, write_json
+
+CSRC = "kvferry/native/csrc"
+BLOCK = 16
+
+
+def baseline_kernel(rev: str) -> Any:
+    """The decode kernel as built from ``rev``'s sources: its .c and headers side by side in a
+    temporary folder, so that its quoted includes find that revision's headers first."""
+    from kvferry.native.build import load_library
+    from kvferry.native.paged_decode import PagedDecodeKernel
+
+    folder = Path(tempfile.mkdtemp(prefix="kvferry-paged-decode-"))
+    names = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "ls-tree", "--name-only", rev, f"{CSRC}/"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    for name in [n for n in names if n.endswith((".h", "paged_decode.c"))]:
+        text = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "show", f"{rev}:{name}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        (folder / Path(name).name).write_text(text)
+    lib = load_library("paged_decode_baseline", folder / "paged_decode.c")
+    if lib is None:
+        sys.exit(f"could not build {rev}'s paged_decode.c (no C compiler, or native kernels off)")
+    return PagedDecodeKernel(lib)
+
+
+def kernel_part(args: argparse.Namespace, kernels: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
+    cfg = load_config(Path(args.model_dir))
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    layers = int(cfg["num_hidden_layers"])
+    rows: list[dict[str, Any]] = []
+    rng = random.Random(args.seed)
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        block_bytes = 2 * BLOCK * kv_heads * head_dim * dtype.itemsize
+        pool_blocks = max(1, (args.pool_mib << 20) // block_bytes)
+        pools = [torch.randn(2, pool_blocks, BLOCK, kv_heads, head_dim).to(dtype)]
+        pools += [
+            torch.randn_like(pools[0], dtype=torch.float32).to(dtype) for _ in range(layers - 1)
+        ]
+        for nreq, ctx in args.cases:
+            nblocks = -(-ctx // BLOCK)
+            if nreq * nblocks > pool_blocks:
+                sys.exit(f"{nreq}x{ctx} needs more than --pool-mib {args.pool_mib} per layer")
+            table = torch.tensor(
+                [rng.sample(range(pool_blocks), nblocks) for _ in range(nreq)], dtype=torch.int64
+            )
+            lens = torch.full((nreq,), ctx, dtype=torch.int64)
+            q = torch.randn(nreq, heads, head_dim).to(dtype)
+            outs = {n: k(q, pools[0], table, lens, head_dim**-0.5) for n, k in kernels.items()}
+            diff = (outs["current"].float() - outs["baseline"].float()).abs().max().item()
+            times: dict[str, list[float]] = {n: [] for n in kernels}
+            for r in range(args.rounds):
+                for name in list(kernels) if r % 2 == 0 else list(kernels)[::-1]:
+                    t = time.perf_counter()
+                    for pool in pools:
+                        kernels[name](q, pool, table, lens, head_dim**-0.5)
+                    times[name].append(time.perf_counter() - t)
+            step_bytes = layers * 2 * nreq * ctx * kv_heads * head_dim * dtype.itemsize
+            gbps = {n: step_bytes / min(v) / 1e9 for n, v in times.items()}
+            rows.append(
+                {
+                    "dtype": dtype_name,
+                    "requests": nreq,
+                    "tokens": ctx,
+                    "gbps": gbps,
+                    "gain": gbps["current"] / gbps["baseline"],
+                    "max_abs_diff": diff,
+                }
+            )
+            print(
+                f"{dtype_name} {nreq}x{ctx}: baseline {gbps['baseline']:.1f} GB/s, current"
+                f" {gbps['current']:.1f} GB/s, {rows[-1]['gain']:.2f}x",
+                flush=True,
+            )
+    return rows
+
+
+def _generate(llm: Any, rng: random.Random, nreq: int, ctx: int, tokens: int) -> float:
+    """Seconds for ``nreq`` fresh random prompts of ``ctx`` tokens to generate ``tokens``."""
+    from kvferry import SamplingParams
+
+    vocab = llm.engine.config.model_config.arch.vocab_size
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(ctx)]} for _ in range(nreq)
+    ]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def engine_part(args: argparse.Namespace, baseline: Any) -> list[dict[str, Any]]:
+    from kvferry import LLM
+
+    rows: list[dict[str, Any]] = []
+    longest = max(ctx for _, ctx in args.engine_cases)
+    for dtype in args.dtypes:
+        llm = LLM(model=args.model_dir, dtype=dtype, max_model_len=longest + 64)
+        executor: Any = llm.engine.executor  # in-process: UniProcExecutor
+        kernel = executor.worker.model_runner.attn_workspace.decode_kernel
+        if kernel is None:
+            sys.exit("this engine has no C decode kernel (KVFERRY_NATIVE_KERNELS=0?)")
+        fns = {"current": kernel._fns, "baseline": baseline._fns}
+        rng = random.Random(args.seed)
+
+        for nreq, ctx in args.engine_cases:
+            step: dict[str, list[float]] = {"current": [], "baseline": []}
+            _generate(llm, rng, nreq, ctx, 2)  # first touch of the blocks this case uses
+            for r in range(args.rounds):
+                for name in ("current", "baseline") if r % 2 == 0 else ("baseline", "current"):
+                    kernel._fns = fns[name]
+                    one = _generate(llm, rng, nreq, ctx, 1)
+                    step[name].append((_generate(llm, rng, nreq, ctx, 33) - one) / 32)
+            kernel._fns = fns["current"]
+            gains = [b / c for c, b in zip(step["current"], step["baseline"], strict=True)]
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "requests": nreq,
+                    "tokens": ctx,
+                    "step_ms": {n: statistics.median(v) * 1e3 for n, v in step.items()},
+                    "gains": gains,
+                }
+            )
+            print(
+                f"{dtype} {nreq}x{ctx}: step {rows[-1]['step_ms']['current']:.1f} ms against"
+                f" {rows[-1]['step_ms']['baseline']:.1f}; speed-up median"
+                f" {statistics.median(gains):.3f} ({min(gains):.3f}-{max(gains):.3f})",
+                flush=True,
+            )
+    return rows
+
+
+def _cells(r: dict[str, Any], before: str, after: str, change: str) -> list[str]:
+    return [r["dtype"], f"{r['requests']} x {r['tokens']:,}", before, after, change]
+
+
+def report(doc: dict[str, Any]) -> str:
+    parts = []
+    if doc.get("kernel"):
+        head = ["dtype", "requests x tokens", "baseline GB/s", "current GB/s", "gain"]
+        rates = [(r, r["gbps"]["baseline"], r["gbps"]["current"]) for r in doc["kernel"]]
+        body = [_cells(r, f"{b:.1f}", f"{c:.1f}", f"{r['gain']:.2f}x") for r, b, c in rates]
+        parts.append(markdown_table(head, body))
+    if doc.get("engine"):
+        head = ["dtype", "requests x prompt tokens", "baseline ms", "ms per step", "speed-up"]
+        body = []
+        for r in doc["engine"]:
+            g = r["gains"]
+            change = f"{statistics.median(g):.3f} ({min(g):.3f}-{max(g):.3f})"
+            ms = r["step_ms"]
+            body.append(_cells(r, f"{ms['baseline']:.1f}", f"{ms['current']:.1f}", change))
+        parts.append(markdown_table(head, body))
+    return "\n\n".join(parts)
+
+
+def _cases(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        nreq, _, ctx = item.strip().partition("x")
+        out.append((int(nreq), int(ctx)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", required=True, help="git revision of the kernel to compare")
+    ap.add_argument("--model", default="qwen3-0.6b", help="a benchmark model name, or a folder")
+    ap.add_argument("--parts", default="kernel", help="comma-separated: kernel, engine")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--cases", default="1x160,1x512,1x2048,4x512,8x512,8x160")
+    ap.add_argument("--engine-cases", default="1x512")
+    ap.add_argument("--pool-mib", type=int, default=72, help="one layer's pool in the kernel part")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-load", type=float, default=0.5, help="1-min load average to start")
+    ap.add_argument("--allow-noise", action="store_true")
+    ap.add_argument("--out", help="results JSON (default: .bench/results/paged_decode_ab.json)")
+    args = ap.parse_args(argv)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.cases = _cases(args.cases)
+    args.engine_cases = _cases(args.engine_cases)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if parts - {"kernel", "engine"}:
+        sys.exit(f"unknown --parts {sorted(parts - {'kernel', 'engine'})}")
+    folder = Path(args.model) if Path(args.model).is_dir() else bench_model(args.model)
+    args.model_dir = str(folder)
+
+    from kvferry.native.paged_decode import load_paged_decode
+
+    current = load_paged_decode()
+    if current is None:
+        sys.exit("the decode kernel is not built here (no C compiler, or native kernels off)")
+    baseline = baseline_kernel(args.baseline)
+    if not args.allow_noise:
+        wait_until(read_loadavg, args.max_load, 300.0, "1-min load average", print)
+    doc: dict[str, Any] = {**run_header(), "model": folder.name, "baseline": args.baseline}
+    doc["settings"] = {k: v for k, v in vars(args).items() if k != "model_dir"}
+    if "kernel" in parts:
+        doc["kernel"] = kernel_part(args, {"baseline": baseline, "current": current})
+    if "engine" in parts:
+        doc["engine"] = engine_part(args, baseline)
+    doc["table"] = report(doc)
+    out = write_json(Path(args.out) if args.out else result_path("paged_decode_ab"), doc)
+    print(doc["table"])
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()
