@@ -189,7 +189,7 @@ DEFINE_ITEM(item_f32, float, ROW_F32)
 DEFINE_ITEM(item_bf16, bf16_t, ROW_BF16)
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "avx2.h"
 
 /* ---- AVX2 + FMA items: the same arithmetic with bf16 widened in registers ---------------
  * The portable item is bound by its own instructions, not by memory: bf16 rows widened
@@ -201,22 +201,11 @@ DEFINE_ITEM(item_bf16, bf16_t, ROW_BF16)
 
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 
-static inline __m256 load8_bf16(const bf16_t *p) {
-    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
 
 /* The lane sums of a0..a3, in that order. */
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-static inline float hsum1(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* Row j of the block at `base`: the item's heads of its token j. */
@@ -259,7 +248,7 @@ static inline float hsum1(__m256 v) {
     static inline float NAME##_k1(const float *qa, const T *k, int64_t d) {                  \
         __m256 a = _mm256_setzero_ps();                                                       \
         for (int64_t c = 0; c < d; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qa + c), LOAD8(k + c), a); \
-        return hsum1(a);                                                                      \
+        return hsum256(a);                                                                      \
     }                                                                                         \
     /* y += p[0] v + p[1] v[ts] + p[2] v[2ts] + p[3] v[3ts] for n query heads: rows y ys    \
      * apart, their scores p ps apart. */                                                  \
@@ -369,7 +358,7 @@ static inline float hsum1(__m256 v) {
     }
 
 DEFINE_AVX2_ITEM(avx2_item_f32, float, load8_f32)
-DEFINE_AVX2_ITEM(avx2_item_bf16, bf16_t, load8_bf16)
+DEFINE_AVX2_ITEM(avx2_item_bf16, bf16_t, widen256)
 #define HAVE_AVX2_ITEMS 1
 #endif
 
@@ -397,7 +386,7 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t he
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
-#define DEFINE_DRIVER(NAME, T, ITEM, FAST_ITEM, WIDEN_Q, STORE_OUT)                                      \
+#define DEFINE_DRIVER(NAME, T, ITEM, FAST_ITEM, WIDEN_Q, STORE_OUT)                           \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
              int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,  \
              int64_t head_stride, const int64_t *table, int64_t table_stride,                 \
@@ -423,9 +412,10 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t he
                 const int64_t r = item / per_kv, h0 = (item % per_kv) * nh;                   \
                 const T *qr = q + r * q_row_stride + h0 * group * head_dim;                   \
                 T *o = out + (r * num_kv_heads + h0) * group * head_dim;                      \
-                (fast ? FAST_ITEM : ITEM)(WIDEN_Q(qr), cache, num_blocks, block_size, num_kv_heads, head_dim,      \
-                     tok_stride, head_stride, table + r * table_stride, lens[r], h0, nh,      \
-                     group, scale, window, scores, acc, gsum, rows);                          \
+                (fast ? FAST_ITEM : ITEM)(WIDEN_Q(qr), cache, num_blocks, block_size,         \
+                                          num_kv_heads, head_dim, tok_stride, head_stride,    \
+                                          table + r * table_stride, lens[r], h0, nh, group,   \
+                                          scale, window, scores, acc, gsum, rows);            \
                 STORE_OUT(o, acc, nq * head_dim);                                             \
             }                                                                                 \
             free(scratch);                                                                    \

@@ -1,11 +1,14 @@
 /*
  * Pieces shared by the linear kernels for steps of a few rows (bf16_linear.c, f32_linear.c):
- * when to use a thread team, which outputs each thread computes, and the AVX2 lane sum.
+ * when to use a thread team and which outputs each thread computes (the AVX2 helpers they
+ * use are in avx2.h).
  */
 #ifndef KVF_ROWS_LINEAR_H
 #define KVF_ROWS_LINEAR_H
 
 #include <stdint.h>
+
+#include "avx2.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -34,16 +37,5 @@ static inline void thread_outputs(int64_t N, int64_t nb, int64_t *n0, int64_t *n
  * long read a few at a time, so without it that pass waits on memory, and later passes (from
  * L2) leave it idle (AVX2-only Zen 2, docs/benchmarks.md). NULL when no full tile follows. */
 #define NEXT_TILE(n, nt) (m == 0 && (n) + 2 * (nt) <= n1 ? w + ((n) + (nt)) * sw : 0)
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-
-__attribute__((target("avx2,fma"), always_inline)) static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 #endif
