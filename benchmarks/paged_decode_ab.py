@@ -30,7 +30,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness.compute import load_config
+from benchmarks.harness.compute import kv_bytes_per_token, load_config
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.models import bench_model
 from benchmarks.harness.paths import REPO_ROOT
@@ -81,10 +81,8 @@ def kernel_part(args: argparse.Namespace, kernels: dict[str, Any]) -> list[dict[
         dtype = getattr(torch, dtype_name)
         block_bytes = 2 * BLOCK * kv_heads * head_dim * dtype.itemsize
         pool_blocks = max(1, (args.pool_mib << 20) // block_bytes)
-        pools = [torch.randn(2, pool_blocks, BLOCK, kv_heads, head_dim).to(dtype)]
-        pools += [
-            torch.randn_like(pools[0], dtype=torch.float32).to(dtype) for _ in range(layers - 1)
-        ]
+        shape = (2, pool_blocks, BLOCK, kv_heads, head_dim)
+        pools = [torch.randn(shape).to(dtype) for _ in range(layers)]
         for nreq, ctx in args.cases:
             nblocks = -(-ctx // BLOCK)
             if nreq * nblocks > pool_blocks:
@@ -103,7 +101,7 @@ def kernel_part(args: argparse.Namespace, kernels: dict[str, Any]) -> list[dict[
                     for pool in pools:
                         kernels[name](q, pool, table, lens, head_dim**-0.5)
                     times[name].append(time.perf_counter() - t)
-            step_bytes = layers * 2 * nreq * ctx * kv_heads * head_dim * dtype.itemsize
+            step_bytes = kv_bytes_per_token(cfg, dtype_name) * nreq * ctx
             gbps = {n: step_bytes / min(v) / 1e9 for n, v in times.items()}
             rows.append(
                 {
