@@ -24,9 +24,20 @@ def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("variant", runnable())
 @pytest.mark.parametrize(
     "m,n,k",
-    # Rows 1..5 cross every x-tile size; outputs not a multiple of 4 and inputs not a
-    # multiple of 16 exercise the tails; 64 x 1030 x 1024 runs on several threads.
-    [(1, 7, 16), (2, 33, 40), (3, 5, 23), (4, 64, 128), (5, 9, 1), (64, 1030, 1024)],
+    # Rows 1..5 cross every x-tile size and both AVX2 paths (1-3 rows stream the weight
+    # rows, more take tiles); outputs not a multiple of 4 and inputs not a multiple of 16
+    # (or of the 32 a streaming pass takes) exercise the tails; the largest run on several
+    # threads.
+    [
+        (1, 7, 16),
+        (2, 33, 40),
+        (3, 5, 23),
+        (4, 64, 128),
+        (5, 9, 1),
+        (1, 2051, 1056),
+        (3, 1030, 1000),
+        (64, 1030, 1024),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear_in_fp32(variant: Variant, m: int, n: int, k: int, bias: bool) -> None:
@@ -47,12 +58,13 @@ def test_matches_f_linear_in_fp32(variant: Variant, m: int, n: int, k: int, bias
 
 
 @pytest.mark.parametrize("variant", runnable())
-def test_strided_rows(variant: Variant) -> None:
+@pytest.mark.parametrize("m", [2, 6])
+def test_strided_rows(variant: Variant, m: int) -> None:
     kernel = load_bf16_linear(variant)
     if kernel is None:
         pytest.skip("native kernels are off or unbuildable here")
     g = torch.Generator().manual_seed(1)
-    wide = torch.randn(6, 96, generator=g).bfloat16()
+    wide = torch.randn(m, 96, generator=g).bfloat16()
     big_w = torch.randn(20, 80, generator=g).bfloat16()
     x, w = wide[:, 8:72], big_w[:, :64]  # rows of both strided, elements contiguous
     assert kernel.supports(x, w)

@@ -8,7 +8,8 @@
  * bf16, and widened in registers (a bf16 is the top half of an fp32). AVX-512: a shift
  * widens the even-indexed elements of a vector, a mask the odd ones, and x, widened once per
  * call, is stored in the same even/odd order so the products pair up. AVX2: 8 weights are
- * zero-extended and shifted, in order, and x is widened in order.
+ * zero-extended and shifted, in order, and x is widened in order; steps of 1-3 rows stream
+ * each weight row once with a software prefetch ahead, more rows use register tiles.
  *
  * Layouts: x [M, K] and out [M, N] with row strides in elements, w [N, K] with a row stride;
  * the K elements of a row are contiguous. Products are exact in fp32; sums run in fp32 and
@@ -180,6 +181,43 @@ T256 void tile256(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
     }
 }
 
+/* Steps of at most this many x rows stream each weight row once, front to back, and compute
+ * every x row's product with it; more rows take the 4 x 3 tiles, which keep x in registers. */
+#define STREAM_MAX_ROWS 3
+/* How far ahead of its reads a streaming pass prefetches its weight row (and, past its end,
+ * the next rows). Without it one thread streams bf16 weights at 12-13 GB/s against 15 for a
+ * plain read; with it 15 GB/s, and 2 threads 28-30 GB/s against 22-25 (AVX2-only Zen 2,
+ * 0.6B shape; 512 and 2048 bytes ahead were slower, docs/benchmarks.md). */
+#define STREAM_PREFETCH_BYTES 1024
+
+/* The products of MR x rows (a constant after inlining) with the weight rows [n0, n1). */
+T256 void stream256(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
+                    const uint16_t *bias, int MR, int64_t n0, int64_t n1, int64_t K,
+                    uint16_t *out, int64_t so) {
+    const int64_t kv = K & ~(int64_t)31;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = w + n * sw;
+        __m256 acc[STREAM_MAX_ROWS][2];
+        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < kv; k += 32) { /* 32 bf16: one cache line */
+            _mm_prefetch((const char *)(wr + k) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
+            for (int h = 0; h < 32; h += 16) {
+                __m256 w0 = widen256(wr + k + h), w1 = widen256(wr + k + h + 8);
+                for (int i = 0; i < MR; i++) {
+                    const float *xr = x + i * sx + k + h;
+                    acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, acc[i][1]);
+                }
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+            float s = hsum256(_mm256_add_ps(acc[i][0], acc[i][1]));
+            for (int64_t k = kv; k < K; k++) s += x[i * sx + k] * bf16_to_f32(wr[k]);
+            store_out(out, so, bias, i, n, s);
+        }
+    }
+}
+
 #define TILE256_COLS(MT_)                                                                    \
     do {                                                                                     \
         int64_t n = p0;                                                                      \
@@ -191,6 +229,11 @@ T256 void tile256(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
 __attribute__((target("avx2,fma"))) static void
 rows_avx2(const float *x, int64_t sx, const uint16_t *w, int64_t sw, const uint16_t *bias,
           int64_t M, int64_t n0, int64_t n1, int64_t K, uint16_t *out, int64_t so) {
+    switch (M) {
+    case 1: stream256(x, sx, w, sw, bias, 1, n0, n1, K, out, so); return;
+    case 2: stream256(x, sx, w, sw, bias, 2, n0, n1, K, out, so); return;
+    case 3: stream256(x, sx, w, sw, bias, 3, n0, n1, K, out, so); return;
+    }
     for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
         const int64_t p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
         int64_t m = 0;
