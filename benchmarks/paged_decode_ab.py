@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,39 +32,18 @@ if __package__ in (None, ""):
 from benchmarks.harness.compute import kv_bytes_per_token, load_config
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.models import bench_model
-from benchmarks.harness.paths import REPO_ROOT
 from benchmarks.harness.quiet import read_loadavg, wait_until
 from benchmarks.harness.results import result_path, run_header, write_json
+from benchmarks.harness.revision_build import load_library_at, paired_decode_steps
 
-CSRC = "kvferry/native/csrc"
 BLOCK = 16
 
 
 def baseline_kernel(rev: str) -> Any:
-    """The decode kernel as built from ``rev``'s sources: its .c and headers side by side in a
-    temporary folder, so that its quoted includes find that revision's headers first."""
-    from kvferry.native.build import load_library
+    """The decode kernel as built from ``rev``'s sources."""
     from kvferry.native.paged_decode import PagedDecodeKernel
 
-    folder = Path(tempfile.mkdtemp(prefix="kvferry-paged-decode-"))
-    names = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), "ls-tree", "--name-only", rev, f"{CSRC}/"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    for name in [n for n in names if n.endswith((".h", "paged_decode.c"))]:
-        text = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "show", f"{rev}:{name}"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        (folder / Path(name).name).write_text(text)
-    lib = load_library("paged_decode_baseline", folder / "paged_decode.c")
-    if lib is None:
-        sys.exit(f"could not build {rev}'s paged_decode.c (no C compiler, or native kernels off)")
-    return PagedDecodeKernel(lib)
+    return PagedDecodeKernel(load_library_at(rev, "paged_decode.c", "paged_decode_baseline"))
 
 
 def kernel_part(args: argparse.Namespace, kernels: dict[str, Any]) -> list[dict[str, Any]]:
@@ -121,18 +99,13 @@ def kernel_part(args: argparse.Namespace, kernels: dict[str, Any]) -> list[dict[
     return rows
 
 
-def _generate(llm: Any, rng: random.Random, nreq: int, ctx: int, tokens: int) -> float:
-    """Seconds for ``nreq`` fresh random prompts of ``ctx`` tokens to generate ``tokens``."""
-    from kvferry import SamplingParams
+def _switcher(kernel: Any, fns: dict[str, Any]) -> Callable[[str], None]:
+    """Points ``kernel``'s entry points at a build's (``fns[name]``)."""
 
-    vocab = llm.engine.config.model_config.arch.vocab_size
-    prompts = [
-        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(ctx)]} for _ in range(nreq)
-    ]
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t
+    def use(name: str) -> None:
+        kernel._fns = fns[name]
+
+    return use
 
 
 def engine_part(args: argparse.Namespace, baseline: Any) -> list[dict[str, Any]]:
@@ -146,18 +119,11 @@ def engine_part(args: argparse.Namespace, baseline: Any) -> list[dict[str, Any]]
         kernel = executor.worker.model_runner.attn_workspace.decode_kernel
         if kernel is None:
             sys.exit("this engine has no C decode kernel (KVFERRY_NATIVE_KERNELS=0?)")
-        fns = {"current": kernel._fns, "baseline": baseline._fns}
+        use = _switcher(kernel, {"current": kernel._fns, "baseline": baseline._fns})
         rng = random.Random(args.seed)
 
         for nreq, ctx in args.engine_cases:
-            step: dict[str, list[float]] = {"current": [], "baseline": []}
-            _generate(llm, rng, nreq, ctx, 2)  # first touch of the blocks this case uses
-            for r in range(args.rounds):
-                for name in ("current", "baseline") if r % 2 == 0 else ("baseline", "current"):
-                    kernel._fns = fns[name]
-                    one = _generate(llm, rng, nreq, ctx, 1)
-                    step[name].append((_generate(llm, rng, nreq, ctx, 33) - one) / 32)
-            kernel._fns = fns["current"]
+            step = paired_decode_steps(llm, use, nreq, ctx, args.rounds, rng)
             gains = [b / c for c, b in zip(step["current"], step["baseline"], strict=True)]
             rows.append(
                 {

@@ -1,0 +1,107 @@
+"""A C kernel of ``kvferry/native/csrc`` at another git revision next to the working tree's,
+in one process: its build from that revision's sources, and an engine's decode steps timed
+with the two builds taking turns.
+
+Both builds export the same symbol names; ``ctypes.CDLL`` opens each library with its own
+handle (``RTLD_LOCAL``), so a function looked up on one never resolves into the other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.paths import REPO_ROOT
+from benchmarks.harness.timing import alternating
+
+CSRC = "kvferry/native/csrc"
+BUILDS = ("current", "baseline")
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        sys.exit(f"git {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def sources_at(rev: str, source: str, folder: Path) -> Path:
+    """``rev``'s ``csrc/<source>`` and every header of its ``csrc/`` written into ``folder``
+    side by side, so that the source's quoted includes find that revision's headers before
+    the working tree's (the build adds ``-I`` of the tree's ``csrc``); returns the source."""
+    names = _git("ls-tree", "--name-only", rev, f"{CSRC}/").split()
+    if f"{CSRC}/{source}" not in names:
+        sys.exit(f"{rev} has no {CSRC}/{source}")
+    headers = sorted(n for n in names if n.endswith(".h"))
+    digest = hashlib.sha256()
+    for name in headers:
+        text = _git("show", f"{rev}:{name}")
+        (folder / Path(name).name).write_text(text)
+        digest.update(text.encode())
+    # The build's cache key hashes the source and the working tree's headers, not these:
+    # naming the revision's headers in the source keeps one revision's cached build from
+    # standing in for another's with the same .c and different headers.
+    text = _git("show", f"{rev}:{CSRC}/{source}")
+    text += f"\n/* headers at {rev}: sha256 {digest.hexdigest()} */\n"
+    (folder / source).write_text(text)
+    return folder / source
+
+
+def load_library_at(rev: str, source: str, lib_name: str) -> ctypes.CDLL:
+    """``csrc/<source>`` (e.g. ``"bf16_linear.c"``) as it is at git revision ``rev``, built
+    with that revision's headers and loaded as ``lib_name`` (a name of its own, so that it
+    neither replaces nor reuses the working tree's build); exits where it cannot be built."""
+    from kvferry.native.build import load_library
+
+    folder = Path(tempfile.mkdtemp(prefix=f"kvferry-{Path(source).stem}-"))
+    lib = load_library(lib_name, sources_at(rev, source, folder))
+    if lib is None:
+        sys.exit(f"could not build {rev}'s {source} (no C compiler, or native kernels off)")
+    return lib
+
+
+def generate_s(llm: Any, rng: random.Random, nreq: int, ctx: int, tokens: int) -> float:
+    """Seconds for ``nreq`` fresh random prompts of ``ctx`` tokens to generate ``tokens``."""
+    from kvferry import SamplingParams
+
+    vocab = llm.engine.config.model_config.arch.vocab_size
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(ctx)]} for _ in range(nreq)
+    ]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def paired_decode_steps(
+    llm: Any,
+    use: Callable[[str], None],
+    nreq: int,
+    ctx: int,
+    rounds: int,
+    rng: random.Random,
+) -> dict[str, list[float]]:
+    """Decode-step seconds of ``llm`` per build (:data:`BUILDS`) and round; ``use(name)``
+    switches the engine to a build. A step is (the time to generate 33 tokens - the time for
+    1) / 32, which leaves the prefill out; alternating order keeps drift from favouring
+    either build. The engine is left on ``"current"``."""
+    steps: dict[str, list[float]] = {name: [] for name in BUILDS}
+    generate_s(llm, rng, nreq, ctx, 2)  # first touch of the blocks this case uses
+    for r in range(rounds):
+        for name in alternating(BUILDS, r):
+            use(name)
+            one = generate_s(llm, rng, nreq, ctx, 1)
+            steps[name].append((generate_s(llm, rng, nreq, ctx, 33) - one) / 32)
+    use("current")
+    return steps
