@@ -15,6 +15,8 @@ functions that use them, so that importing a module stays cheap.
 * ``plots``: bar and line charts (matplotlib);
 * ``cli``: quick-run defaults of the command lines;
 * ``models``: the random-weight benchmark models (``tiny``, ``mid``, ``qwen3-0.6b``);
+* ``revision_build``: a C kernel built from a git revision's sources, and paired decode
+  steps of an engine with two builds taking turns (the ``*_ab.py`` scripts);
 * ``engines``: in-process kvferry engines; ``kv_configs``: the KV-transfer configs compared;
 * ``serving``: ``kvferry serve`` / ``proxy`` processes and a streaming client;
 * ``vllm_env``: vLLM's CPU venv and the runtime environment its runs need;
