@@ -20,11 +20,23 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 16
 
 
+SHORT = (1, 3, 17, 64, 130)
+# Long enough for a call of a few requests to split each one's keys into parts (4 blocks and
+# up, 8 at most), merged afterwards; 70 tokens makes one part, 1,000 the most.
+LONG = (1000, 70, 333)
+
+
 def _case(
-    num_reqs: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+    num_reqs: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    base: tuple[int, ...] = SHORT,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.tensor([[1, 3, 17, 64, 130][r % 5] + r for r in range(num_reqs)])
+    lens = torch.tensor([base[r % len(base)] + r for r in range(num_reqs)])
     width = int(-(-lens.max() // BLOCK))
     pool = num_reqs * width + 2
     cache = torch.randn(2, pool, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
@@ -50,13 +62,20 @@ def _reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [128, 36])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(16, 8), (12, 4), (4, 4), (8, 1)])
-@pytest.mark.parametrize("num_reqs", [1, 3, 40])
+@pytest.mark.parametrize(
+    ("num_reqs", "base"), [(1, SHORT), (3, SHORT), (40, SHORT), (1, LONG), (3, LONG)]
+)
 def test_decode_kernel_matches_the_reference(
-    dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, num_reqs: int
+    dtype: torch.dtype,
+    head_dim: int,
+    heads: int,
+    kv_heads: int,
+    num_reqs: int,
+    base: tuple[int, ...],
 ) -> None:
     kernel = load_paged_decode()
     assert kernel is not None
-    q, cache, table, lens = _case(num_reqs, heads, kv_heads, head_dim, dtype, seed=heads)
+    q, cache, table, lens = _case(num_reqs, heads, kv_heads, head_dim, dtype, heads, base)
     out = kernel(q, cache, table, lens, head_dim**-0.5)
     ref = _reference(q, cache, table, lens)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
@@ -64,15 +83,15 @@ def test_decode_kernel_matches_the_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_reqs", [1, 3, 8])
+@pytest.mark.parametrize(("num_reqs", "base"), [(1, SHORT), (3, SHORT), (8, SHORT), (2, LONG)])
 def test_decode_kernel_gives_the_same_bits_whatever_the_thread_count(
-    dtype: torch.dtype, num_reqs: int
+    dtype: torch.dtype, num_reqs: int, base: tuple[int, ...]
 ) -> None:
     """The thread count decides how a request's heads are split into work items; each head's
-    arithmetic must not depend on it."""
+    arithmetic, and how a long request's keys are split into parts, must not depend on it."""
     kernel = load_paged_decode()
     assert kernel is not None
-    q, cache, table, lens = _case(num_reqs, 16, 8, 128, dtype, seed=num_reqs)
+    q, cache, table, lens = _case(num_reqs, 16, 8, 128, dtype, num_reqs, base)
     threads = torch.get_num_threads()
     outs = []
     try:

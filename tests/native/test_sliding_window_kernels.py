@@ -87,12 +87,16 @@ def test_prefill_window(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [1, 5, 16, 37])
-def test_decode_window(dtype: torch.dtype, window: int) -> None:
+@pytest.mark.parametrize(
+    ("window", "lens"),
+    # Six requests: one work item each. Two long ones: their windowed keys split into parts
+    # (from the window's first block on), merged afterwards.
+    [(w, [1, 6, 17, 40, 95, 130]) for w in (1, 5, 16, 37)] + [(150, [300, 700]), (37, [700])],
+)
+def test_decode_window(dtype: torch.dtype, window: int, lens: list[int]) -> None:
     kernel = load_paged_decode()
     assert kernel is not None
     heads, kv_heads, head_dim, block_size = 8, 2, 32, 16
-    lens = [1, 6, 17, 40, 95, 130]
     caches, tables = [], []
     pool_blocks = sum(-(-n // block_size) for n in lens)
     cache = torch.empty(2, pool_blocks, block_size, kv_heads, head_dim)

@@ -5,8 +5,9 @@
  * named by its block-table row, so nothing is gathered into a staging buffer first (with a
  * gather, every byte of context is read, written and read again). Work items are runs of
  * a request's kv heads (whole requests when there are enough of them to keep every thread
- * busy), spread over OpenMP threads; the query heads that share a kv head are served by one
- * pass over its keys and values. With AVX2 and a head_dim that is a multiple of 8, vector
+ * busy), or, in a call of a few requests, parts of a request's keys over all its heads,
+ * merged afterwards; they are spread over OpenMP threads, and the query heads that share a
+ * kv head are served by one pass over its keys and values. With AVX2 and a head_dim that is a multiple of 8, vector
  * items serve every call (fp32 and bf16); the portable items serve the rest.
  *
  * Layouts (all C-contiguous except q's row stride and the cache's inner strides):
@@ -89,6 +90,24 @@ static inline void softmax_rows(float *scores, int64_t nq, int64_t len, int64_t 
     }
 }
 
+/* softmax_rows over the keys [lo, hi) of rows `stride` apart, each row's max kept in gmax:
+ * one part of a request's keys (see PART_BLOCKS). */
+static inline void softmax_part(float *scores, int64_t nq, int64_t stride, int64_t lo,
+                                int64_t hi, float scale, float *gmax, float *gsum) {
+    for (int64_t x = 0; x < nq; x++) {
+        float *sx = scores + x * stride;
+        float m = sx[lo], z = 0.0f;
+        for (int64_t t = lo + 1; t < hi; t++) m = sx[t] > m ? sx[t] : m;
+#pragma omp simd reduction(+ : z)
+        for (int64_t t = lo; t < hi; t++) {
+            sx[t] = expf((sx[t] - m) * scale);
+            z += sx[t];
+        }
+        gmax[x] = m;
+        gsum[x] = z;
+    }
+}
+
 /* Divides each of the nq rows of acc [nq][head_dim] by its softmax sum. */
 static inline void normalise_rows(float *acc, const float *gsum, int64_t nq, int64_t head_dim) {
     for (int64_t x = 0; x < nq; x++) {
@@ -109,8 +128,13 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
  * the hardware prefetcher streams; one head at a time would touch every other cache line.
  * nh > 1 needs the heads of a token adjacent (NHD); with HND an item has one head, whose rows
  * of a block are themselves one contiguous run.
- * qf: [nh * group, head_dim]; scores: [nh * group, len]; acc: [nh * group, head_dim] (left
- * normalised); gsum: [nh * group]; rows: 4 * nh * head_dim (bf16 only: widened rows).
+ * The item covers the request's tokens [a, b): a is a multiple of block_size, no earlier than
+ * the block of the window's first key; b is a multiple of block_size or len. With gmax NULL
+ * that is the whole request and acc is left normalised; otherwise it is one part of the
+ * request (see PART_BLOCKS) and acc is left unnormalised, gmax and gsum holding each row's
+ * score max and softmax sum for merge_parts.
+ * qf: [nh * group, head_dim]; scores: [nh * group, len]; acc: [nh * group, head_dim];
+ * gmax, gsum: [nh * group]; rows: 4 * nh * head_dim (bf16 only: widened rows).
  * ROW(p, slot) yields the nh heads' rows of one token, starting at p, as floats. */
 #define PREFETCH_NEXT(src, t)                                                                 \
     prefetch_rows((const char *)((src) + brow[(t) / block_size] * block_elems + h0 * head_stride), \
@@ -121,18 +145,18 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
                      int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,              \
                      int64_t head_stride, const int64_t *brow, int64_t len,                   \
                      int64_t h0, int64_t nh, int64_t group, float scale, int64_t window,       \
-                     float *scores, float *acc, float *gsum, float *rows) {                   \
+                     int64_t a, int64_t b, float *scores, float *acc, float *gmax,             \
+                     float *gsum, float *rows) {                                              \
         (void)rows;                                                                           \
-        /* First key the query sees, and the block that holds it. */                          \
+        /* First key the query sees. */                                                       \
         const int64_t lo = window > 0 && len > window ? len - window : 0;                     \
-        const int64_t first = lo - lo % block_size;                                           \
         const int64_t block_elems = block_size * num_kv_heads * head_dim;                     \
         const int64_t nq = nh * group;                                                        \
         const T *vals = cache + num_blocks * block_elems;                                     \
-        for (int64_t t0 = first; t0 < len; t0 += block_size) {                                \
+        for (int64_t t0 = a; t0 < b; t0 += block_size) {                                      \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                  \
             const T *base = cache + brow[t0 / block_size] * block_elems + h0 * head_stride;   \
-            if (t0 + block_size < len)                                                        \
+            if (t0 + block_size < b)                                                          \
                 PREFETCH_NEXT(cache, t0 + block_size);                                        \
             int64_t j = t0 < lo ? lo - t0 : 0;                                                \
             for (; j + 4 <= n; j += 4) {                                                      \
@@ -153,12 +177,15 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
                         dot(qf + x * head_dim, k + (x / group) * head_dim, head_dim);         \
             }                                                                                 \
         }                                                                                     \
-        softmax_rows(scores, nq, len, lo, scale, gsum);                                       \
+        if (gmax)                                                                             \
+            softmax_part(scores, nq, len, a > lo ? a : lo, b, scale, gmax, gsum);             \
+        else                                                                                  \
+            softmax_rows(scores, nq, len, lo, scale, gsum);                                   \
         memset(acc, 0, sizeof(float) * nq * head_dim);                                        \
-        for (int64_t t0 = first; t0 < len; t0 += block_size) {                                \
+        for (int64_t t0 = a; t0 < b; t0 += block_size) {                                      \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                  \
             const T *base = vals + brow[t0 / block_size] * block_elems + h0 * head_stride;    \
-            if (t0 + block_size < len)                                                        \
+            if (t0 + block_size < b)                                                          \
                 PREFETCH_NEXT(vals, t0 + block_size);                                         \
             int64_t j = t0 < lo ? lo - t0 : 0;                                                \
             for (; j + 4 <= n; j += 4) {                                                      \
@@ -179,7 +206,7 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
                          v + (x / group) * head_dim, head_dim);                               \
             }                                                                                 \
         }                                                                                     \
-        normalise_rows(acc, gsum, nq, head_dim);                                              \
+        if (!gmax) normalise_rows(acc, gsum, nq, head_dim);                                   \
     }
 
 #define ROW_F32(p, slot) (p)
@@ -301,24 +328,28 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                                  _mm256_fmadd_ps(a, LOAD8(v + c), _mm256_loadu_ps(y + x * ys + c))); \
         }                                                                                     \
     }                                                                                         \
-    /* One pass over the item's blocks of `src` (keys or values), four rows at a time. */    \
+    /* The portable item's contract, with two passes (keys, then values) over its blocks,   \
+     * four rows at a time. */                                                                \
     static void NAME(const float *qf, const T *cache, int64_t num_blocks, int64_t block_size, \
                      int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,              \
                      int64_t head_stride, const int64_t *brow, int64_t len, int64_t h0,       \
-                     int64_t nh, int64_t group, float scale, int64_t window, float *scores,   \
-                     float *acc, float *gsum, float *rows) {                                  \
+                     int64_t nh, int64_t group, float scale, int64_t window, int64_t a,        \
+                     int64_t b, float *scores, float *acc, float *gmax, float *gsum,           \
+                     float *rows) {                                                           \
         (void)rows;                                                                           \
         const int64_t lo = window > 0 && len > window ? len - window : 0;                     \
-        const int64_t first = lo - lo % block_size;                                           \
         const int64_t block_elems = block_size * num_kv_heads * head_dim;                     \
         const int64_t nq = nh * group, d = head_dim, ts = tok_stride;                         \
         for (int pass = 0; pass < 2; pass++) {                                                \
             const T *src = cache + pass * num_blocks * block_elems;                           \
             if (pass == 1) {                                                                  \
-                softmax_rows(scores, nq, len, lo, scale, gsum);                               \
+                if (gmax)                                                                     \
+                    softmax_part(scores, nq, len, a > lo ? a : lo, b, scale, gmax, gsum);     \
+                else                                                                          \
+                    softmax_rows(scores, nq, len, lo, scale, gsum);                           \
                 memset(acc, 0, sizeof(float) * nq * head_dim);                                \
             }                                                                                 \
-            for (int64_t t0 = first; t0 < len; t0 += block_size) {                            \
+            for (int64_t t0 = a; t0 < b; t0 += block_size) {                                  \
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;              \
                 const T *base = src + brow[t0 / block_size] * block_elems + h0 * head_stride; \
                 int64_t j = t0 < lo ? lo - t0 : 0;                                            \
@@ -354,7 +385,7 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        normalise_rows(acc, gsum, nq, head_dim);                                              \
+        if (!gmax) normalise_rows(acc, gsum, nq, head_dim);                                   \
     }
 
 DEFINE_AVX2_ITEM(avx2_item_f32, float, load8_f32)
@@ -385,6 +416,50 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t he
     return 1;
 }
 
+/* Below this many requests in a call, each request's keys are split into parts of at least
+ * PART_BLOCKS blocks (at most MAX_PARTS), each its own work item over all the kv heads, and
+ * the parts' results are merged. A few requests otherwise give a thread a run of heads whose
+ * rows it reads every other kilobyte of, or a whole request while the other threads idle.
+ * The parts depend on the lengths only, never on the thread count, so the result's bits do
+ * not either. */
+#define SPLIT_BELOW_REQS 4
+#define PART_BLOCKS 4
+#define MAX_PARTS 4
+
+static int64_t parts_of(int64_t len, int64_t window, int64_t block_size) {
+    const int64_t lo = window > 0 && len > window ? len - window : 0;
+    const int64_t blocks = (len + block_size - 1) / block_size - lo / block_size;
+    const int64_t p = blocks / PART_BLOCKS;
+    return p < 1 ? 1 : p > MAX_PARTS ? MAX_PARTS : p;
+}
+
+/* Part p of `parts` of a request: its tokens [*a, *b), whole blocks from the window's. */
+static void part_range(int64_t len, int64_t window, int64_t block_size, int64_t p,
+                       int64_t parts, int64_t *a, int64_t *b) {
+    const int64_t lo = window > 0 && len > window ? len - window : 0;
+    const int64_t b0 = lo / block_size, blocks = (len + block_size - 1) / block_size - b0;
+    *a = (b0 + blocks * p / parts) * block_size;
+    const int64_t end = (b0 + blocks * (p + 1) / parts) * block_size;
+    *b = end < len ? end : len;
+}
+
+/* Query head x of a request split into `parts` parts, each [nq][head_dim + 2]: the part's
+ * unnormalised sums, then its rows' score max and softmax sum. Writes head_dim floats. */
+static void merge_parts(const float *partial, int64_t parts, int64_t nq, int64_t head_dim,
+                        int64_t x, float scale, float *out) {
+    const int64_t stride = nq * (head_dim + 2);
+    const float *acc0 = partial + x * head_dim, *max0 = partial + nq * head_dim + x;
+    float m = max0[0], z = 0.0f;
+    for (int64_t p = 1; p < parts; p++) m = max0[p * stride] > m ? max0[p * stride] : m;
+    memset(out, 0, sizeof(float) * head_dim);
+    for (int64_t p = 0; p < parts; p++) {
+        const float c = expf((max0[p * stride] - m) * scale);
+        z += c * max0[p * stride + nq];
+        axpy(out, c, acc0 + p * stride, head_dim);
+    }
+    for (int64_t i = 0; i < head_dim; i++) out[i] /= z;
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated. */
 #define DEFINE_DRIVER(NAME, T, ITEM, FAST_ITEM, WIDEN_Q, STORE_OUT)                           \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
@@ -393,33 +468,70 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t he
              const int64_t *lens, int64_t num_reqs, int64_t group, float scale,               \
              int64_t window, T *out, int num_threads) {                                       \
         const int64_t longest = max_len(lens, num_reqs);                                      \
-        const int64_t nh =                                                                    \
-            heads_per_item(num_reqs, num_kv_heads, head_dim, head_stride, num_threads);       \
+        /* Split: items are (request, part) over all heads; else (request, run of heads). */  \
+        const int split = num_reqs < SPLIT_BELOW_REQS && head_stride == head_dim;             \
+        const int64_t nh = split ? num_kv_heads                                               \
+                                 : heads_per_item(num_reqs, num_kv_heads, head_dim,           \
+                                                  head_stride, num_threads);                  \
         const int64_t per_kv = num_kv_heads / nh, nq = nh * group;                            \
         const int fast = HAVE_AVX2_ITEMS && head_dim % 8 == 0;                                \
+        int64_t starts[SPLIT_BELOW_REQS + 1] = {0}, items = num_reqs * per_kv;                \
+        float *partial = NULL;                                                                \
+        if (split) {                                                                          \
+            for (int64_t r = 0; r < num_reqs; r++)                                            \
+                starts[r + 1] = starts[r] + parts_of(lens[r], window, block_size);            \
+            items = starts[num_reqs];                                                         \
+            if (items > num_reqs) {                                                           \
+                partial = malloc(sizeof(float) * items * nq * (head_dim + 2));                \
+                if (partial == NULL) return -1;                                               \
+            }                                                                                 \
+        }                                                                                     \
         int failed = 0;                                                                       \
         _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)") {              \
             float *scratch = malloc(sizeof(float) *                                           \
-                                    (nq * (longest + 2 * head_dim + 1) + 4 * nh * head_dim)); \
-            /* Every thread reaches the worksharing loop (one skipping it would hang the      \
-             * others at its barrier); one without scratch only marks the call failed. */    \
+                                    (nq * (longest + 2 * head_dim + 2) + 4 * nh * head_dim)); \
+            /* Every thread reaches the worksharing loops (one skipping them would hang the   \
+             * others at a barrier); one without scratch only marks the call failed. */      \
             if (scratch == NULL) failed = 1;                                                  \
             float *scores = scratch, *acc = scores + nq * longest, *qf = acc + nq * head_dim; \
-            float *gsum = qf + nq * head_dim, *rows = gsum + nq;                              \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0;                   \
-                                                         item < num_reqs * per_kv; item++) {  \
+            float *gmax = qf + nq * head_dim, *gsum = gmax + nq, *rows = gsum + nq;           \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < items;     \
+                                                         item++) {                            \
                 if (scratch == NULL) continue;                                                \
-                const int64_t r = item / per_kv, h0 = (item % per_kv) * nh;                   \
+                int64_t r = item / per_kv, h0 = (item % per_kv) * nh, parts = 1, p = 0;       \
+                if (split) {                                                                  \
+                    r = 0;                                                                    \
+                    while (starts[r + 1] <= item) r++;                                        \
+                    parts = starts[r + 1] - starts[r], p = item - starts[r];                  \
+                }                                                                             \
+                int64_t a, b;                                                                 \
+                part_range(lens[r], window, block_size, p, parts, &a, &b);                    \
                 const T *qr = q + r * q_row_stride + h0 * group * head_dim;                   \
-                T *o = out + (r * num_kv_heads + h0) * group * head_dim;                      \
+                float *part = parts > 1 ? partial + item * nq * (head_dim + 2) : NULL;        \
                 (fast ? FAST_ITEM : ITEM)(WIDEN_Q(qr), cache, num_blocks, block_size,         \
                                           num_kv_heads, head_dim, tok_stride, head_stride,    \
                                           table + r * table_stride, lens[r], h0, nh, group,   \
-                                          scale, window, scores, acc, gsum, rows);            \
-                STORE_OUT(o, acc, nq * head_dim);                                             \
+                                          scale, window, a, b, scores, part ? part : acc,     \
+                                          part ? part + nq * head_dim : NULL,                 \
+                                          part ? part + nq * head_dim + nq : gsum, rows);     \
+                if (!part)                                                                    \
+                    STORE_OUT(out + (r * num_kv_heads + h0) * group * head_dim, acc,          \
+                              nq * head_dim);                                                 \
+            }                                                                                 \
+            if (partial) {                                                                    \
+                _Pragma("omp for schedule(static)") for (int64_t rx = 0; rx < num_reqs * nq;  \
+                                                         rx++) {                              \
+                    const int64_t r = rx / nq, x = rx % nq;                                   \
+                    const int64_t parts = starts[r + 1] - starts[r];                          \
+                    if (scratch == NULL || parts == 1) continue;                              \
+                    merge_parts(partial + starts[r] * nq * (head_dim + 2), parts, nq,         \
+                                head_dim, x, scale, acc);                                     \
+                    STORE_OUT(out + (r * num_kv_heads * group + x) * head_dim, acc, head_dim); \
+                }                                                                             \
             }                                                                                 \
             free(scratch);                                                                    \
         }                                                                                     \
+        free(partial);                                                                        \
         return failed ? -1 : 0;                                                               \
     }
 
