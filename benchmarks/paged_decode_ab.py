@@ -32,9 +32,12 @@ if __package__ in (None, ""):
 from benchmarks.harness.compute import kv_bytes_per_token, load_config
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.models import bench_model
-from benchmarks.harness.quiet import read_loadavg, wait_until
-from benchmarks.harness.results import result_path, run_header, write_json
-from benchmarks.harness.revision_build import load_library_at, paired_decode_steps
+from benchmarks.harness.revision_build import (
+    load_library_at,
+    paired_decode_steps,
+    run_ab,
+    step_summary,
+)
 
 BLOCK = 16
 
@@ -124,22 +127,8 @@ def engine_part(args: argparse.Namespace, baseline: Any) -> list[dict[str, Any]]
 
         for nreq, ctx in args.engine_cases:
             step = paired_decode_steps(llm, use, nreq, ctx, args.rounds, rng)
-            gains = [b / c for c, b in zip(step["current"], step["baseline"], strict=True)]
-            rows.append(
-                {
-                    "dtype": dtype,
-                    "requests": nreq,
-                    "tokens": ctx,
-                    "step_ms": {n: statistics.median(v) * 1e3 for n, v in step.items()},
-                    "gains": gains,
-                }
-            )
-            print(
-                f"{dtype} {nreq}x{ctx}: step {rows[-1]['step_ms']['current']:.1f} ms against"
-                f" {rows[-1]['step_ms']['baseline']:.1f}; speed-up median"
-                f" {statistics.median(gains):.3f} ({min(gains):.3f}-{max(gains):.3f})",
-                flush=True,
-            )
+            summary = step_summary(step, f"{dtype} {nreq}x{ctx}")
+            rows.append({"dtype": dtype, "requests": nreq, "tokens": ctx, **summary})
     return rows
 
 
@@ -204,18 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     if current is None:
         sys.exit("the decode kernel is not built here (no C compiler, or native kernels off)")
     baseline = baseline_kernel(args.baseline)
-    if not args.allow_noise:
-        wait_until(read_loadavg, args.max_load, 300.0, "1-min load average", print)
-    doc: dict[str, Any] = {**run_header(), "model": folder.name, "baseline": args.baseline}
-    doc["settings"] = {k: v for k, v in vars(args).items() if k != "model_dir"}
-    if "kernel" in parts:
-        doc["kernel"] = kernel_part(args, {"baseline": baseline, "current": current})
-    if "engine" in parts:
-        doc["engine"] = engine_part(args, baseline)
-    doc["table"] = report(doc)
-    out = write_json(Path(args.out) if args.out else result_path("paged_decode_ab"), doc)
-    print(doc["table"])
-    print(f"results: {out}")
+    measures: dict[str, Callable[[], Any]] = {
+        "kernel": lambda: kernel_part(args, {"baseline": baseline, "current": current}),
+        "engine": lambda: engine_part(args, baseline),
+    }
+    chosen = {p: m for p, m in measures.items() if p in parts}
+    run_ab("paged_decode_ab", args, chosen, report, model=folder.name, baseline=args.baseline)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,13 @@ if __package__ in (None, ""):
 from benchmarks.harness.compute import load_config
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.models import bench_model
-from benchmarks.harness.quiet import read_loadavg, wait_until
-from benchmarks.harness.results import result_path, run_header, write_json
-from benchmarks.harness.revision_build import BUILDS, load_library_at, paired_decode_steps
+from benchmarks.harness.revision_build import (
+    BUILDS,
+    load_library_at,
+    paired_decode_steps,
+    run_ab,
+    step_summary,
+)
 from benchmarks.harness.timing import alternating
 
 if TYPE_CHECKING:
@@ -238,21 +242,7 @@ def engine_part(
     rows: list[dict[str, Any]] = []
     for nreq, ctx in args.engine_cases:
         step = paired_decode_steps(llm, use, nreq, ctx, args.rounds, rng)
-        gains = [b / c for c, b in zip(step["current"], step["baseline"], strict=True)]
-        rows.append(
-            {
-                "requests": nreq,
-                "tokens": ctx,
-                "step_ms": {n: statistics.median(v) * 1e3 for n, v in step.items()},
-                "gains": gains,
-            }
-        )
-        ms = rows[-1]["step_ms"]
-        print(
-            f"{nreq}x{ctx}: step {ms['current']:.1f} ms against {ms['baseline']:.1f}; speed-up"
-            f" median {statistics.median(gains):.3f} ({min(gains):.3f}-{max(gains):.3f})",
-            flush=True,
-        )
+        rows.append({"requests": nreq, "tokens": ctx, **step_summary(step, f"{nreq}x{ctx}")})
     return rows
 
 
@@ -329,19 +319,20 @@ def main(argv: list[str] | None = None) -> None:
         "current": current_kernel(args.kernel, args.variant),
         "baseline": baseline_kernel(args.baseline, args.kernel, args.variant),
     }
-    if not args.allow_noise:
-        wait_until(read_loadavg, args.max_load, 300.0, "1-min load average", print)
-    doc: dict[str, Any] = {**run_header(), "model": folder.name, "baseline": args.baseline}
-    doc.update(linear_kernel=kernel_class(args.kernel).NAME, variant=args.variant)
-    doc["settings"] = {k: v for k, v in vars(args).items() if k != "model_dir"}
-    if "kernel" in args.parts:
-        doc["kernel"] = kernel_part(args, kernels)
-    if "engine" in args.parts:
-        doc["engine"] = engine_part(args, kernels)
-    doc["table"] = report(doc)
-    out = write_json(Path(args.out) if args.out else result_path("rows_linear_ab"), doc)
-    print(doc["table"])
-    print(f"results: {out}")
+    measures: dict[str, Callable[[], Any]] = {
+        "kernel": lambda: kernel_part(args, kernels),
+        "engine": lambda: engine_part(args, kernels),
+    }
+    run_ab(
+        "rows_linear_ab",
+        args,
+        {p: m for p, m in measures.items() if p in args.parts},
+        report,
+        model=folder.name,
+        baseline=args.baseline,
+        linear_kernel=kernel_class(args.kernel).NAME,
+        variant=args.variant,
+    )
 
 
 if __name__ == "__main__":

@@ -11,15 +11,18 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.paths import REPO_ROOT
+from benchmarks.harness.quiet import read_loadavg, wait_until
+from benchmarks.harness.results import result_path, run_header, write_json
 from benchmarks.harness.timing import alternating
 
 CSRC = "kvferry/native/csrc"
@@ -105,3 +108,39 @@ def paired_decode_steps(
             steps[name].append((generate_s(llm, rng, nreq, ctx, 33) - one) / 32)
     use("current")
     return steps
+
+
+def step_summary(steps: Mapping[str, list[float]], label: str) -> dict[str, Any]:
+    """A case's paired decode steps (:func:`paired_decode_steps`) as its median ms per build
+    and the per-round speed-ups, printed as one line headed ``label``."""
+    gains = [b / c for c, b in zip(steps["current"], steps["baseline"], strict=True)]
+    ms = {n: statistics.median(v) * 1e3 for n, v in steps.items()}
+    print(
+        f"{label}: step {ms['current']:.1f} ms against {ms['baseline']:.1f}; speed-up median"
+        f" {statistics.median(gains):.3f} ({min(gains):.3f}-{max(gains):.3f})",
+        flush=True,
+    )
+    return {"step_ms": ms, "gains": gains}
+
+
+def run_ab(
+    name: str,
+    args: Any,
+    parts: Mapping[str, Callable[[], Any]],
+    report: Callable[[dict[str, Any]], str],
+    **facts: Any,
+) -> None:
+    """The end every A/B script shares: waits for a quiet machine (unless
+    ``args.allow_noise``), runs the ``parts`` (name -> what it measures) in order, and writes
+    the results JSON (``args.out``, default ``.bench/results/<name>.json``) with the run's
+    header, ``facts`` and settings, then prints ``report``'s table."""
+    if not args.allow_noise:
+        wait_until(read_loadavg, args.max_load, 300.0, "1-min load average", print)
+    doc: dict[str, Any] = {**run_header(), **facts}
+    doc["settings"] = {k: v for k, v in vars(args).items() if k != "model_dir"}
+    for part, measure in parts.items():
+        doc[part] = measure()
+    doc["table"] = report(doc)
+    out = write_json(Path(args.out) if args.out else result_path(name), doc)
+    print(doc["table"])
+    print(f"results: {out}")

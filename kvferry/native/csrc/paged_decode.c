@@ -73,26 +73,9 @@ static inline void axpy4(float *y, const float *p, const float *x0, const float 
     for (int64_t i = 0; i < n; i++) y[i] += p[0] * x0[i] + p[1] * x1[i] + p[2] * x2[i] + p[3] * x3[i];
 }
 
-/* Scores [nq][len] (keys lo .. len - 1 used) to exp((s - max) * scale), in place; gsum[x]
- * gets row x's sum. */
-static inline void softmax_rows(float *scores, int64_t nq, int64_t len, int64_t lo, float scale,
-                                float *gsum) {
-    for (int64_t x = 0; x < nq; x++) {
-        float *sx = scores + x * len;
-        float m = sx[lo], z = 0.0f;
-        for (int64_t t = lo + 1; t < len; t++) m = sx[t] > m ? sx[t] : m;
-#pragma omp simd reduction(+ : z)
-        for (int64_t t = lo; t < len; t++) {
-            sx[t] = expf((sx[t] - m) * scale);
-            z += sx[t];
-        }
-        gsum[x] = z;
-    }
-}
-
-/* softmax_rows over the keys [lo, hi) of rows `stride` apart, each row's max kept in gmax:
- * one part of a request's keys (see PART_BLOCKS). */
-static inline void softmax_part(float *scores, int64_t nq, int64_t stride, int64_t lo,
+/* Scores [nq][stride] (keys lo .. hi - 1 used) to exp((s - max) * scale), in place; gsum[x]
+ * gets row x's sum and, unless gmax is NULL, gmax[x] its max (for merge_parts). */
+static inline void softmax_rows(float *scores, int64_t nq, int64_t stride, int64_t lo,
                                 int64_t hi, float scale, float *gmax, float *gsum) {
     for (int64_t x = 0; x < nq; x++) {
         float *sx = scores + x * stride;
@@ -103,7 +86,7 @@ static inline void softmax_part(float *scores, int64_t nq, int64_t stride, int64
             sx[t] = expf((sx[t] - m) * scale);
             z += sx[t];
         }
-        gmax[x] = m;
+        if (gmax) gmax[x] = m;
         gsum[x] = z;
     }
 }
@@ -177,10 +160,7 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
                         dot(qf + x * head_dim, k + (x / group) * head_dim, head_dim);         \
             }                                                                                 \
         }                                                                                     \
-        if (gmax)                                                                             \
-            softmax_part(scores, nq, len, a > lo ? a : lo, b, scale, gmax, gsum);             \
-        else                                                                                  \
-            softmax_rows(scores, nq, len, lo, scale, gsum);                                   \
+        softmax_rows(scores, nq, len, a > lo ? a : lo, b, scale, gmax, gsum);                 \
         memset(acc, 0, sizeof(float) * nq * head_dim);                                        \
         for (int64_t t0 = a; t0 < b; t0 += block_size) {                                      \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                  \
@@ -345,10 +325,7 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
         for (int pass = 0; pass < 2; pass++) {                                                \
             const T *src = cache + pass * num_blocks * block_elems;                           \
             if (pass == 1) {                                                                  \
-                if (gmax)                                                                     \
-                    softmax_part(scores, nq, len, a > lo ? a : lo, b, scale, gmax, gsum);     \
-                else                                                                          \
-                    softmax_rows(scores, nq, len, lo, scale, gsum);                           \
+                softmax_rows(scores, nq, len, a > lo ? a : lo, b, scale, gmax, gsum);         \
                 memset(acc, 0, sizeof(float) * nq * head_dim);                                \
             }                                                                                 \
             for (int64_t t0 = a; t0 < b; t0 += block_size) {                                  \
