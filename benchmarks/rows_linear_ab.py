@@ -79,13 +79,10 @@ def check_variant(variant: str) -> None:
 
 
 def current_kernel(kind: str, variant: str) -> RowsLinearKernel:
-    from kvferry.native.bf16_linear import load_bf16_linear
     from kvferry.native.build import load_library
-    from kvferry.native.f32_linear import load_f32_linear
+    from kvferry.native.rows_linear import load_rows_kernel
 
-    load: Callable[[Any], RowsLinearKernel | None]
-    load = load_bf16_linear if kind == "bf16" else load_f32_linear
-    kernel = load(variant)
+    kernel = load_rows_kernel(kernel_class(kind), variant)
     if kernel is not None:
         return kernel
     name = kernel_class(kind).NAME
