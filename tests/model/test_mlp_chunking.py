@@ -57,4 +57,8 @@ def test_prefill_pass_reuses_heap_pages() -> None:
     whole, chunked = faults("whole"), faults("chunked")
     # One pass's 32 MiB gate/up buffer is a fresh mmap of up to 8,192 pages each time.
     assert whole >= 4 * 4096, whole
-    assert chunked < whole / 4, (chunked, whole)
+    # Chunked passes reuse heap pages, but not all of them every time: the count moved
+    # between 2,048 and 11,264 on one VM (the kernel reclaiming idle heap pages, heap trims),
+    # against 28,674-38,916 unchunked. Half of the unchunked count still catches passes that
+    # fault in a fresh buffer each time.
+    assert chunked < whole / 2, (chunked, whole)
