@@ -58,7 +58,7 @@ def test_prefill_pass_reuses_heap_pages() -> None:
     # One pass's 32 MiB gate/up buffer is a fresh mmap of up to 8,192 pages each time.
     assert whole >= 4 * 4096, whole
     # Chunked passes reuse heap pages, but not all of them every time: the count moved
-    # between 2,048 and 11,264 on one VM (the kernel reclaiming idle heap pages, heap trims),
+    # between 2,048 and 11,264 on one VM from run to run, with the machine's state,
     # against 28,674-38,916 unchunked. Half of the unchunked count still catches passes that
     # fault in a fresh buffer each time.
     assert chunked < whole / 2, (chunked, whole)
