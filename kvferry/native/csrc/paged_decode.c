@@ -7,8 +7,9 @@
  * a request's kv heads (whole requests when there are enough of them to keep every thread
  * busy), or, in a call of a few requests, parts of a request's keys over all its heads,
  * merged afterwards; they are spread over OpenMP threads, and the query heads that share a
- * kv head are served by one pass over its keys and values. With AVX2 and a head_dim that is a multiple of 8, vector
- * items serve every call (fp32 and bf16); the portable items serve the rest.
+ * kv head are served by one pass over its keys and values. With AVX2 and a head_dim that is
+ * a multiple of 8, vector items serve every call (fp32 and bf16); the portable items serve
+ * the rest.
  *
  * Layouts (all C-contiguous except q's row stride and the cache's inner strides):
  *   q      [num_reqs, num_heads, head_dim], row r at q + r * q_row_stride
@@ -73,6 +74,11 @@ static inline void axpy4(float *y, const float *p, const float *x0, const float 
     for (int64_t i = 0; i < n; i++) y[i] += p[0] * x0[i] + p[1] * x1[i] + p[2] * x2[i] + p[3] * x3[i];
 }
 
+/* The first key a query at position len - 1 sees: 0, or the start of its sliding window. */
+static inline int64_t first_key(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* Scores [nq][stride] (keys lo .. hi - 1 used) to exp((s - max) * scale), in place; gsum[x]
  * gets row x's sum and, unless gmax is NULL, gmax[x] its max (for merge_parts). */
 static inline void softmax_rows(float *scores, int64_t nq, int64_t stride, int64_t lo,
@@ -132,7 +138,7 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
                      float *gsum, float *rows) {                                              \
         (void)rows;                                                                           \
         /* First key the query sees. */                                                       \
-        const int64_t lo = window > 0 && len > window ? len - window : 0;                     \
+        const int64_t lo = first_key(len, window);                                            \
         const int64_t block_elems = block_size * num_kv_heads * head_dim;                     \
         const int64_t nq = nh * group;                                                        \
         const T *vals = cache + num_blocks * block_elems;                                     \
@@ -209,7 +215,6 @@ DEFINE_ITEM(item_bf16, bf16_t, ROW_BF16)
 
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 
-
 /* The lane sums of a0..a3, in that order. */
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -219,8 +224,7 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 /* Row j of the block at `base`: the item's heads of its token j. */
 #define ROW_AT(base, j) ((base) + (j) * tok_stride)
 
-
-#define DEFINE_AVX2_ITEM(NAME, T, LOAD8, PF)                                                      \
+#define DEFINE_AVX2_ITEM(NAME, T, LOAD8, PF)                                                  \
     /* Scores of tokens k, k + ts, k + 2ts, k + 3ts against query rows qa and qb. */          \
     static inline void NAME##_k4x2(const float *qa, const float *qb, const T *k, int64_t ts, \
                                    int64_t d, float *sa, float *sb) {                         \
@@ -257,7 +261,7 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     static inline float NAME##_k1(const float *qa, const T *k, int64_t d) {                  \
         __m256 a = _mm256_setzero_ps();                                                       \
         for (int64_t c = 0; c < d; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qa + c), LOAD8(k + c), a); \
-        return hsum256(a);                                                                      \
+        return hsum256(a);                                                                    \
     }                                                                                         \
     /* y += p[0] v + p[1] v[ts] + p[2] v[2ts] + p[3] v[3ts] for n query heads: rows y ys    \
      * apart, their scores p ps apart. */                                                  \
@@ -319,7 +323,7 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                      int64_t b, float *scores, float *acc, float *gmax, float *gsum,           \
                      float *rows) {                                                           \
         (void)rows;                                                                           \
-        const int64_t lo = window > 0 && len > window ? len - window : 0;                     \
+        const int64_t lo = first_key(len, window);                                            \
         const int64_t block_elems = block_size * num_kv_heads * head_dim;                     \
         const int64_t nq = nh * group, d = head_dim, ts = tok_stride;                         \
         for (int pass = 0; pass < 2; pass++) {                                                \
@@ -418,18 +422,23 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t he
 #define PART_BLOCKS 4
 #define MAX_PARTS 4
 
+/* How many blocks a request's query reads, from block *first on. */
+static int64_t window_blocks(int64_t len, int64_t window, int64_t block_size, int64_t *first) {
+    *first = first_key(len, window) / block_size;
+    return (len + block_size - 1) / block_size - *first;
+}
+
 static int64_t parts_of(int64_t len, int64_t window, int64_t block_size) {
-    const int64_t lo = window > 0 && len > window ? len - window : 0;
-    const int64_t blocks = (len + block_size - 1) / block_size - lo / block_size;
-    const int64_t p = blocks / PART_BLOCKS;
+    int64_t b0;
+    const int64_t p = window_blocks(len, window, block_size, &b0) / PART_BLOCKS;
     return p < 1 ? 1 : p > MAX_PARTS ? MAX_PARTS : p;
 }
 
 /* Part p of `parts` of a request: its tokens [*a, *b), whole blocks from the window's. */
 static void part_range(int64_t len, int64_t window, int64_t block_size, int64_t p,
                        int64_t parts, int64_t *a, int64_t *b) {
-    const int64_t lo = window > 0 && len > window ? len - window : 0;
-    const int64_t b0 = lo / block_size, blocks = (len + block_size - 1) / block_size - b0;
+    int64_t b0;
+    const int64_t blocks = window_blocks(len, window, block_size, &b0);
     *a = (b0 + blocks * p / parts) * block_size;
     const int64_t end = (b0 + blocks * (p + 1) / parts) * block_size;
     *b = end < len ? end : len;
@@ -468,13 +477,14 @@ static void merge_parts(const float *partial, int64_t parts, int64_t nq, int64_t
         const int64_t per_kv = num_kv_heads / nh, nq = nh * group;                            \
         const int fast = HAVE_AVX2_ITEMS && head_dim % 8 == 0;                                \
         int64_t starts[SPLIT_BELOW_REQS + 1] = {0}, items = num_reqs * per_kv;                \
-        float *partial = NULL;                                                                \
+        float *partial = NULL; /* per part: its acc, then its rows' max and sum */           \
+        const int64_t part_floats = nq * (head_dim + 2);                                      \
         if (split) {                                                                          \
             for (int64_t r = 0; r < num_reqs; r++)                                            \
                 starts[r + 1] = starts[r] + parts_of(lens[r], window, block_size);            \
             items = starts[num_reqs];                                                         \
             if (items > num_reqs) {                                                           \
-                partial = malloc(sizeof(float) * items * nq * (head_dim + 2));                \
+                partial = malloc(sizeof(float) * items * part_floats);                        \
                 if (partial == NULL) return -1;                                               \
             }                                                                                 \
         }                                                                                     \
@@ -499,7 +509,7 @@ static void merge_parts(const float *partial, int64_t parts, int64_t nq, int64_t
                 int64_t a, b;                                                                 \
                 part_range(lens[r], window, block_size, p, parts, &a, &b);                    \
                 const T *qr = q + r * q_row_stride + h0 * group * head_dim;                   \
-                float *part = parts > 1 ? partial + item * nq * (head_dim + 2) : NULL;        \
+                float *part = parts > 1 ? partial + item * part_floats : NULL;                \
                 (fast ? FAST_ITEM : ITEM)(WIDEN_Q(qr), cache, num_blocks, block_size,         \
                                           num_kv_heads, head_dim, tok_stride, head_stride,    \
                                           table + r * table_stride, lens[r], h0, nh, group,   \
@@ -516,7 +526,7 @@ static void merge_parts(const float *partial, int64_t parts, int64_t nq, int64_t
                     const int64_t r = rx / nq, x = rx % nq;                                   \
                     const int64_t parts = starts[r + 1] - starts[r];                          \
                     if (scratch == NULL || parts == 1) continue;                              \
-                    merge_parts(partial + starts[r] * nq * (head_dim + 2), parts, nq,         \
+                    merge_parts(partial + starts[r] * part_floats, parts, nq,                 \
                                 head_dim, x, scale, acc);                                     \
                     STORE_OUT(out + (r * num_kv_heads * group + x) * head_dim, acc, head_dim); \
                 }                                                                             \
