@@ -31,10 +31,12 @@ if __package__ in (None, ""):
 
 from benchmarks.harness.compute import kv_bytes_per_token, load_config
 from benchmarks.harness.markdown import markdown_table
-from benchmarks.harness.models import bench_model
 from benchmarks.harness.revision_build import (
+    add_ab_arguments,
     load_library_at,
     paired_decode_steps,
+    parse_cases,
+    resolve_ab_arguments,
     run_ab,
     step_summary,
 )
@@ -155,37 +157,18 @@ def report(doc: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def _cases(text: str) -> list[tuple[int, int]]:
-    out = []
-    for item in text.split(","):
-        nreq, _, ctx = item.strip().partition("x")
-        out.append((int(nreq), int(ctx)))
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", required=True, help="git revision of the kernel to compare")
-    ap.add_argument("--model", default="qwen3-0.6b", help="a benchmark model name, or a folder")
-    ap.add_argument("--parts", default="kernel", help="comma-separated: kernel, engine")
+    add_ab_arguments(ap, "paged_decode_ab")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--cases", default="1x160,1x512,1x2048,4x512,8x512,8x160")
     ap.add_argument("--engine-cases", default="1x512")
     ap.add_argument("--pool-mib", type=int, default=72, help="one layer's pool in the kernel part")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-load", type=float, default=0.5, help="1-min load average to start")
-    ap.add_argument("--allow-noise", action="store_true")
-    ap.add_argument("--out", help="results JSON (default: .bench/results/paged_decode_ab.json)")
     args = ap.parse_args(argv)
+    resolve_ab_arguments(ap, args)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    args.cases = _cases(args.cases)
-    args.engine_cases = _cases(args.engine_cases)
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if parts - {"kernel", "engine"}:
-        sys.exit(f"unknown --parts {sorted(parts - {'kernel', 'engine'})}")
-    folder = Path(args.model) if Path(args.model).is_dir() else bench_model(args.model)
-    args.model_dir = str(folder)
+    args.cases = parse_cases(args.cases)
+    args.engine_cases = parse_cases(args.engine_cases)
 
     from kvferry.native.paged_decode import load_paged_decode
 
@@ -197,8 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         "kernel": lambda: kernel_part(args, {"baseline": baseline, "current": current}),
         "engine": lambda: engine_part(args, baseline),
     }
-    chosen = {p: m for p, m in measures.items() if p in parts}
-    run_ab("paged_decode_ab", args, chosen, report, model=folder.name, baseline=args.baseline)
+    chosen = {p: m for p, m in measures.items() if p in args.parts}
+    run_ab(
+        "paged_decode_ab",
+        args,
+        chosen,
+        report,
+        model=Path(args.model_dir).name,
+        baseline=args.baseline,
+    )
 
 
 if __name__ == "__main__":

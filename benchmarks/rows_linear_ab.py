@@ -33,11 +33,13 @@ if __package__ in (None, ""):
 
 from benchmarks.harness.compute import load_config
 from benchmarks.harness.markdown import markdown_table
-from benchmarks.harness.models import bench_model
 from benchmarks.harness.revision_build import (
     BUILDS,
+    add_ab_arguments,
     load_library_at,
     paired_decode_steps,
+    parse_cases,
+    resolve_ab_arguments,
     run_ab,
     step_summary,
 )
@@ -164,8 +166,8 @@ def kernel_part(args: argparse.Namespace, kernels: dict[str, RowsLinearKernel]) 
     print(f"{len(weights)} matrices, {weight_bytes / 2**20:,.0f} MiB of {dtype}", flush=True)
     gen = torch.Generator().manual_seed(args.seed + 1)
     rows: list[dict[str, Any]] = []
+    ks = {name: w.shape[1] for name, w in weights}
     for m in args.rows:
-        ks = {name: w.shape[1] for name, w in weights}
         xs = {name: torch.randn(m, k, generator=gen, dtype=dtype) for name, k in ks.items()}
         diff = _max_diff(kernels, weights, xs)
         times: dict[str, list[float]] = {n: [] for n in BUILDS}
@@ -274,42 +276,22 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def _cases(text: str) -> list[tuple[int, int]]:
-    """``"1x160,8x160"`` as ``[(requests, prompt tokens), ...]``."""
-    out = []
-    for item in text.split(","):
-        nreq, _, ctx = item.strip().partition("x")
-        out.append((int(nreq), int(ctx)))
-    return out
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", required=True, help="git revision of the kernel to compare")
+    add_ab_arguments(ap, "rows_linear_ab")
     ap.add_argument("--kernel", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--variant", choices=("scalar", "avx2", "avx512"), default="avx2")
-    ap.add_argument("--model", default="qwen3-0.6b", help="a benchmark model name, or a folder")
-    ap.add_argument("--parts", default="kernel", help="comma-separated: kernel, engine")
     ap.add_argument("--rows", default="1,2,3,4,8", help="x rows per call in the kernel part")
     ap.add_argument("--engine-cases", default="1x160,8x160", help="requests x prompt tokens")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-load", type=float, default=0.5, help="1-min load average to start")
-    ap.add_argument("--allow-noise", action="store_true")
-    ap.add_argument("--out", help="results JSON (default: .bench/results/rows_linear_ab.json)")
     args = ap.parse_args(argv)
+    resolve_ab_arguments(ap, args)
     args.rows = _ints(args.rows)
-    args.engine_cases = _cases(args.engine_cases)
-    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    if set(args.parts) - {"kernel", "engine"}:
-        ap.error(f"unknown --parts {sorted(set(args.parts) - {'kernel', 'engine'})}")
+    args.engine_cases = parse_cases(args.engine_cases)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    folder = Path(args.model) if Path(args.model).is_dir() else bench_model(args.model)
-    args.model_dir = str(folder)
 
     check_variant(args.variant)
     kernels = {
@@ -325,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         args,
         {p: m for p, m in measures.items() if p in args.parts},
         report,
-        model=folder.name,
+        model=Path(args.model_dir).name,
         baseline=args.baseline,
         linear_kernel=kernel_class(args.kernel).NAME,
         variant=args.variant,

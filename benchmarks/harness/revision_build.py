@@ -8,6 +8,7 @@ handle (``RTLD_LOCAL``), so a function looked up on one never resolves into the 
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import hashlib
 import random
@@ -20,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.models import bench_model
 from benchmarks.harness.paths import REPO_ROOT
 from benchmarks.harness.quiet import read_loadavg, wait_until
 from benchmarks.harness.results import result_path, run_header, write_json
@@ -121,6 +123,41 @@ def step_summary(steps: Mapping[str, list[float]], label: str) -> dict[str, Any]
         flush=True,
     )
     return {"step_ms": ms, "gains": gains}
+
+
+PARTS = ("kernel", "engine")
+
+
+def add_ab_arguments(ap: argparse.ArgumentParser, name: str) -> None:
+    """The options every revision A/B script takes: the revision, the model, which parts
+    run, rounds, seed, the quiet-machine check and the results file."""
+    ap.add_argument("--baseline", required=True, help="git revision of the kernel to compare")
+    ap.add_argument("--model", default="qwen3-0.6b", help="a benchmark model name, or a folder")
+    ap.add_argument("--parts", default="kernel", help="comma-separated: kernel, engine")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-load", type=float, default=0.5, help="1-min load average to start")
+    ap.add_argument("--allow-noise", action="store_true")
+    ap.add_argument("--out", help=f"results JSON (default: .bench/results/{name}.json)")
+
+
+def resolve_ab_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.parts`` as a list of :data:`PARTS` (an unknown one is a usage error) and
+    ``args.model_dir``, the model's folder (built on first use for a benchmark name)."""
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if set(args.parts) - set(PARTS):
+        ap.error(f"unknown --parts {sorted(set(args.parts) - set(PARTS))}")
+    folder = Path(args.model) if Path(args.model).is_dir() else bench_model(args.model)
+    args.model_dir = str(folder)
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """``"1x160,8x160"`` as ``[(requests, tokens), ...]``."""
+    out = []
+    for item in text.split(","):
+        nreq, _, ctx = item.strip().partition("x")
+        out.append((int(nreq), int(ctx)))
+    return out
 
 
 def run_ab(
