@@ -105,8 +105,14 @@ class Attention(nn.Module):
         if connector is not None:
             connector.wait_for_layer_load(self.layer_name)
         kv_cache = ctx.kv_caches[self.layer_name]
-        self._write(kv_cache, k, v, meta.slot_mapping)
-        out = self._attend(q, k, v, kv_cache, meta, ctx.attn_workspace)
+        ws = ctx.attn_workspace
+        if ws.write_kernel is not None and ws.write_kernel.supports(
+            kv_cache, k, v, meta.slot_mapping
+        ):
+            ws.write_kernel(kv_cache, k, v, meta.slot_mapping)
+        else:
+            self._write(kv_cache, k, v, meta.slot_mapping)
+        out = self._attend(q, k, v, kv_cache, meta, ws)
         if connector is not None:
             connector.save_kv_layer(self.layer_name, kv_cache, meta)
         return out.reshape(n, -1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvferry.native.kv_write import KVWriteKernel
 from kvferry.native.paged_decode import PagedDecodeKernel
 from kvferry.native.paged_prefill import PagedPrefillKernel
 
@@ -52,6 +53,10 @@ class AttentionWorkspace:
     :meth:`~kvferry.native.paged_prefill.PagedPrefillKernel.supports` the layer's cache; other
     prefills use SDPA on the fresh K/V, or a block gather and a mask when there is context.
 
+    ``write_kernel``: writes the step's new K/V into the pool where it
+    :meth:`~kvferry.native.kv_write.KVWriteKernel.supports` the layer's cache (keys and values
+    in one call); otherwise two torch index copies do.
+
     ``decode_gather_bytes``: when set, a decode group is gathered a few requests at a time,
     each gather at most about this many bytes, so that the gathered K/V are still in cache when
     attention reads them; None gathers each group at once.
@@ -60,4 +65,5 @@ class AttentionWorkspace:
     buffers: GatherBuffers = field(default_factory=GatherBuffers)
     decode_kernel: PagedDecodeKernel | None = None
     prefill_kernel: PagedPrefillKernel | None = None
+    write_kernel: KVWriteKernel | None = None
     decode_gather_bytes: int | None = None

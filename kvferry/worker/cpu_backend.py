@@ -29,6 +29,8 @@ Which path serves what (all on CPU):
   transposed one falls onto a much slower path.
 * fp32 and bf16: decode attention reads the paged pool in place (C kernel); other decodes are
   gathered a cache-sized chunk of requests at a time.
+* every dtype: a layer's new keys and values go into the pool in one C call (two torch index
+  copies cost several times as much at decode sizes).
 * greedy sampling: a C argmax.
 
 The CPU's features (:mod:`kvferry.worker.cpu_features`) are detected once per process; each
@@ -52,6 +54,7 @@ from kvferry.native.argmax import ArgmaxKernel, load_argmax
 from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
 from kvferry.native.f32_linear import F32LinearKernel, load_f32_linear
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
+from kvferry.native.kv_write import KVWriteKernel, load_kv_write
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
 from kvferry.native.rows_linear import RowsLinearKernel
@@ -263,6 +266,7 @@ class CPUBackend:
         self.fused_ops: FusedOps | None = None
         self.decode_kernel: PagedDecodeKernel | None = None
         self.prefill_kernel: PagedPrefillKernel | None = None
+        self.write_kernel: KVWriteKernel | None = None
         self.argmax: ArgmaxKernel | None = None
         self.bf16_linear: BF16LinearKernel | None = None
         self.f32_linear: F32LinearKernel | None = None
@@ -278,6 +282,7 @@ class CPUBackend:
                 self.decode_kernel = load_paged_decode()
             if dtype in PagedPrefillKernel.DTYPES:
                 self.prefill_kernel = load_paged_prefill()
+            self.write_kernel = load_kv_write()
             if dtype == torch.bfloat16 and not self.native_half:
                 self.bf16_linear = load_bf16_linear(self.features.isa)
             if dtype == torch.float32 and self.features.isa == "avx2":
@@ -323,6 +328,7 @@ class CPUBackend:
             fused_ops="c" if self.fused_ops is not None else "torch",
             decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",
             prefill_attention="c-paged" if self.prefill_kernel is not None else "torch",
+            kv_write="c" if self.write_kernel is not None else "torch",
             argmax="c" if self.argmax is not None else "torch",
             mlp_chunk=f"{MLP_CHUNK_BYTES >> 20}MiB",
             malloc=tune_malloc(envs.malloc_tuning()),
@@ -337,6 +343,7 @@ class CPUBackend:
         return AttentionWorkspace(
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
+            write_kernel=self.write_kernel,
             decode_gather_bytes=DECODE_GATHER_BYTES,
         )
 
