@@ -91,9 +91,13 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        # (a view costs microseconds at decode sizes; callers often pass heads already)
+        if q.dim() == 2:
+            q = q.view(n, self.num_heads, self.head_dim)
+        if k.dim() == 2:
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+        if v.dim() == 2:
+            v = v.view(n, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         meta = ctx.metadata_for(self.layer_name)
         if meta is None:

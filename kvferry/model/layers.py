@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvferry.native.fused_ops import FusedOps
+
+
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """``module.weight`` read from its parameter dict: ``Module.__getattr__`` costs about a
+    microsecond a lookup, and a decode step looks up every layer's weights."""
+    return cast(torch.Tensor, module._parameters["weight"])
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +44,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Heads: Qwen3's per-head q/k norm, on views into the qkv projection.
         if self.fused is not None and (self.fused.supports(x) or self.fused.supports_heads(x)):
-            return self.fused.rms_norm(x, self.weight, self.eps)
+            return self.fused.rms_norm(x, weight_of(self), self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -47,7 +53,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused is not None and self.fused.supports(x) and self.fused.supports(residual):
-            return self.fused.add_rms_norm_(x, residual, self.weight, self.eps), residual
+            return self.fused.add_rms_norm_(x, residual, weight_of(self), self.eps), residual
         x = x + residual
         return self.forward(x), x
 
@@ -160,9 +166,10 @@ class Linear(nn.Linear):
     kernel: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = weight_of(self), self._parameters["bias"]
         if self.kernel is not None:
-            return self.kernel(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self.kernel(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
 class GatedMLP(nn.Module):

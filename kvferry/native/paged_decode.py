@@ -46,7 +46,7 @@ class PagedDecodeKernel(PagedKVKernel):
         ``seq_lens``: ``[num_reqs]`` int64, each >= 1. ``window``: a sliding window, the
         query sees only the last ``window`` keys (blocks wholly before them are never read)."""
         nreq, heads, _ = q.shape
-        assert block_table.dtype == torch.int64 and block_table.stride(1) == 1
+        assert block_table.dtype == torch.int64 and block_table.stride()[1] == 1
         assert seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()
         return self._run(
             q,

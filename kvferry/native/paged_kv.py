@@ -51,7 +51,7 @@ class PagedKVKernel:
 
     def supports(self, kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
         return (
-            kv_cache.device.type == "cpu"
+            kv_cache.is_cpu
             and kv_cache.dtype in self.DTYPES
             and q.dtype == kv_cache.dtype
             and layout_of(kv_cache) is not None
@@ -60,11 +60,12 @@ class PagedKVKernel:
     def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, *own: Any) -> torch.Tensor:
         """Calls the entry point for ``q``'s dtype with the pool's geometry, ``own`` and a
         new ``out`` shaped like ``q``."""
-        _, heads, head_dim = q.shape
+        n, heads, head_dim = q.shape
         _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
+        if q.stride()[1:] != (head_dim, 1):
             q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(n, heads, head_dim, dtype=q.dtype)
+        strides = kv_cache.stride()
         rc = self._fns[q.dtype](
             q.data_ptr(),
             q.stride(0),
@@ -73,8 +74,8 @@ class PagedKVKernel:
             block_size,
             kv_heads,
             head_dim,
-            kv_cache.stride(2),
-            kv_cache.stride(3),
+            strides[2],
+            strides[3],
             *own,
             out.data_ptr(),
             torch.get_num_threads(),

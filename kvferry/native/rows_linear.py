@@ -59,15 +59,16 @@ class RowsLinearKernel:
 
     @classmethod
     def supports(cls, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        # Cheapest tests first: this runs before every small step's product.
         return (
-            x.device.type == "cpu"
-            and x.dtype == cls.DTYPE
+            x.dtype == cls.DTYPE
             and weight.dtype == cls.DTYPE
+            and x.is_cpu
             and x.dim() == 2
             and weight.dim() == 2
+            and x.stride()[1] == 1
+            and weight.stride()[1] == 1
             and x.shape[1] == weight.shape[1]
-            and x.stride(1) == 1
-            and weight.stride(1) == 1
         )
 
     def __call__(
@@ -79,7 +80,7 @@ class RowsLinearKernel:
         n = weight.shape[0]
         if bias is not None:
             bias = bias.to(self.DTYPE).contiguous()
-        out = torch.empty((m, n), dtype=self.DTYPE)
+        out = torch.empty(m, n, dtype=self.DTYPE)
         rc = self._fn(
             self._code,
             x.data_ptr(),
