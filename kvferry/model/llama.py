@@ -27,6 +27,7 @@ from kvferry.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    weight_of,
 )
 from kvferry.model.parallel import all_gather_last_dim, tp_size
 from kvferry.model.tp_layers import RowParallelLinear, VocabParallelEmbedding
@@ -52,6 +53,8 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # One fused call can norm and rotate q and k (both norms share the config's eps).
+        self.fusable_qk_norm = self.qk_norm and self.head_dim <= 1024
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
@@ -64,7 +67,21 @@ class DecoderAttention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :]
-        if self.qk_norm:
+        fused = self.fused
+        if (
+            self.fusable_qk_norm
+            and fused is not None
+            and qkv.dtype in fused.DTYPES
+            and qkv.is_cpu
+            and cos.dtype == qkv.dtype
+        ):
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
+            q_norm, k_norm = self.q_norm, self.k_norm
+            fused.qk_norm_rotary_(
+                qk, self.num_heads, weight_of(q_norm), weight_of(k_norm), q_norm.eps, cos, sin
+            )
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        elif self.qk_norm:
             q_raw = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
             k_raw = qkv[:, self.q_size : self.q_size + self.kv_size]
             q = apply_rotary(self.q_norm(q_raw), cos, sin, self.fused)

@@ -17,6 +17,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "add_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32, _INT],
     # x, row stride, heads, head_dim, cos rows, sin rows, rows, threads
     "rotary": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT],
+    # x, row stride, q heads, k heads, head_dim, q weight, k weight, eps, cos rows, sin rows,
+    # rows, threads
+    "qk_norm_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _F32, _P, _P, _I64, _INT],
     # gate_up, in stride, out, out stride, rows, dim, threads
     "silu_mul": [_P, _I64, _P, _I64, _I64, _I64, _INT],
 }
@@ -49,30 +52,26 @@ class FusedOps:
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
         """Rows: an fp32 or bf16 CPU ``[n, d]`` tensor with contiguous rows."""
-        return (
-            x.device.type == "cpu"
-            and x.dtype in FusedOps.DTYPES
-            and x.dim() == 2
-            and (x.stride(1) == 1)
-        )
+        return x.dtype in FusedOps.DTYPES and x.is_cpu and x.dim() == 2 and x.stride()[1] == 1
 
     @staticmethod
     def supports_heads(x: torch.Tensor) -> bool:
         """Heads: an fp32 or bf16 CPU ``[n, heads, head_dim]`` tensor, each row's heads
         contiguous."""
         return (
-            x.device.type == "cpu"
-            and x.dtype in FusedOps.DTYPES
+            x.dtype in FusedOps.DTYPES
+            and x.is_cpu
             and x.dim() == 3
-            and x.stride(2) == 1
-            and x.stride(1) == x.shape[2]
+            and x.stride()[1:] == (x.shape[2], 1)
         )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension of rows ``[n, d]``
         (:meth:`supports`) or heads ``[n, heads, head_dim]`` (:meth:`supports_heads`), as a new
         contiguous tensor of ``x``'s shape."""
-        out = torch.empty(x.shape, dtype=x.dtype)
+        # (empty_like: x's strides where x is dense, which the rows and heads it takes are
+        # only when contiguous; half the cost of torch.empty at decode sizes)
+        out = torch.empty_like(x)
         if x.dim() == 3:
             assert x.stride(2) == 1 and x.stride(1) == x.shape[2]
             self._norm(None, x, weight, eps, out, heads=x.shape[1])
@@ -85,7 +84,7 @@ class FusedOps:
     ) -> torch.Tensor:
         """Adds ``x`` into ``residual`` in place and returns the norm of the sum (a new
         tensor); ``residual`` then holds the next residual stream."""
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty_like(x)
         self._norm(x, residual, weight, eps, out)
         return out
 
@@ -99,8 +98,8 @@ class FusedOps:
         heads: int = 1,
     ) -> None:
         rows, dim = residual.shape[0], residual.shape[-1]
-        assert weight.is_contiguous() and weight.shape == (dim,) and weight.dtype == out.dtype
-        assert residual.dtype == out.dtype and (x is None or x.dtype == out.dtype)
+        assert weight.dtype == residual.dtype == out.dtype and (x is None or x.dtype == out.dtype)
+        assert weight.is_contiguous() and weight.shape[0] == dim and weight.dim() == 1
         self._fns["add_rms_norm", out.dtype](
             None if x is None else x.data_ptr(),
             0 if x is None else x.stride(0),
@@ -136,10 +135,47 @@ class FusedOps:
         )
         return x
 
+    def qk_norm_rotary_(
+        self,
+        qk: torch.Tensor,
+        q_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Qwen3's ``rotary(q_norm(q))`` and ``rotary(k_norm(k))`` in place, in one call:
+        ``qk`` ``[num_tokens, q_heads + k_heads, head_dim]`` (:meth:`supports_heads`, head_dim
+        at most 1024) holds each token's query heads then its key heads; ``q_weight`` and
+        ``k_weight`` ``[head_dim]`` are the norms' weights, ``cos``/``sin`` as for
+        :meth:`rotary_`. The same results as :meth:`rms_norm` then :meth:`rotary_` on each
+        part; returns ``qk``."""
+        n, heads, head_dim = qk.shape
+        assert qk.stride(2) == 1 and qk.stride(1) == head_dim and head_dim <= 1024
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == n * head_dim // 2
+        assert cos.dtype == sin.dtype == q_weight.dtype == k_weight.dtype == qk.dtype
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+        self._fns["qk_norm_rotary", qk.dtype](
+            qk.data_ptr(),
+            qk.stride(0),
+            q_heads,
+            heads - q_heads,
+            head_dim,
+            q_weight.data_ptr(),
+            k_weight.data_ptr(),
+            eps,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        return qk
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` of shape ``[n, 2 * d]``."""
         rows, width = gate_up.shape
-        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         self._fns["silu_mul", gate_up.dtype](
             gate_up.data_ptr(),
             gate_up.stride(0),

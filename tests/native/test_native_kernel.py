@@ -332,3 +332,27 @@ def test_sampler_with_the_argmax_kernel_picks_the_same_tokens() -> None:
     fast = Sampler(torch.Generator().manual_seed(0), argmax=kernel)(logits, rows)
     assert fast.token_ids == plain.token_ids == logits.argmax(-1).tolist()
     assert fast.logprobs == plain.logprobs
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 600])  # 600 x 8 x 64 takes the threaded path
+def test_fused_qk_norm_rotary_is_the_norm_then_the_rotary(rows: int, dtype: torch.dtype) -> None:
+    """Qwen3's q/k norm and rotary in one call, in place in the qkv row: the same bits as the
+    norm and rotary kernels one after the other, and v untouched."""
+    ops = load_fused_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows)
+    q_heads, k_heads, head_dim, eps = 6, 2, 64, 1e-6
+    q_weight = (1.0 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype)
+    k_weight = (1.0 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype)
+    qkv = (3 * torch.randn(rows, (q_heads + 2 * k_heads) * head_dim, generator=gen)).to(dtype)
+    qk = qkv[:, : (q_heads + k_heads) * head_dim].view(rows, -1, head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    cos, sin = rope.cos_sin(torch.randint(0, 4096, (rows,), generator=gen), dtype)
+    want_q = ops.rotary_(ops.rms_norm(qk[:, :q_heads], q_weight, eps), cos, sin)
+    want_k = ops.rotary_(ops.rms_norm(qk[:, q_heads:], k_weight, eps), cos, sin)
+    v = qkv[:, (q_heads + k_heads) * head_dim :].clone()
+    assert ops.qk_norm_rotary_(qk, q_heads, q_weight, k_weight, eps, cos, sin) is qk
+    assert torch.equal(qk[:, :q_heads], want_q) and torch.equal(qk[:, q_heads:], want_k)
+    assert torch.equal(qkv[:, (q_heads + k_heads) * head_dim :], v)
