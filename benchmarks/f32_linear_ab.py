@@ -1,14 +1,17 @@
-"""The fp32 small-step linear kernel (``csrc/f32_linear.c``) against oneDNN's packed GEMM, in
-one engine.
+"""The small-step linear C kernel in front of oneDNN's packed GEMM against oneDNN alone, in one
+engine: fp32 (``csrc/f32_linear.c``), or with ``--dtype bfloat16`` the bf16 kernel's
+AVX512-BF16 variant (``csrc/bf16_linear.c``) in front of the packed bf16 weights.
 
-One ``LLM`` on a benchmark model (fp32, on a CPU where the backend picks the kernel: the AVX2
-level, or ``KVFERRY_CPU_ISA=avx2``); each round generates fresh prompts twice, once with the
+One ``LLM`` on a benchmark model (fp32 on a CPU where the backend picks the kernel: the AVX2
+level, or ``KVFERRY_CPU_ISA=avx2``; bf16 on a CPU with AVX512_BF16); each round generates fresh prompts twice, once with the
 kernel serving steps of at most ``--max-rows`` rows and once with every step on oneDNN, in
 alternating order (see ``harness/kernel_ab.py``). Several ``--max-rows`` values run one after
 the other, each against oneDNN, to place the crossover.
 
     .venv/bin/python benchmarks/f32_linear_ab.py --model mid --prompts 8
     .venv/bin/python benchmarks/f32_linear_ab.py --model mid --prompts 32 --max-rows 16,32,48
+    .venv/bin/python benchmarks/f32_linear_ab.py --model qwen3-0.6b --dtype bfloat16 \
+        --prompts 1 --max-rows 1,2
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ab_arguments(ap, "f32_linear_ab", prompts=8)
     ap.add_argument("--max-rows", default="32", help="comma-separated row limits to try")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
     limits = [int(v) for v in args.max_rows.split(",")]
 
@@ -37,14 +41,14 @@ def main(argv: list[str] | None = None) -> None:
     from kvferry.worker.cpu_backend import SmallStepsLinear
 
     folder = Path(args.model) if Path(args.model).is_dir() else bench_model(args.model)
-    llm = LLM(model=str(folder), dtype="float32", max_model_len=2048)
+    llm = LLM(model=str(folder), dtype=args.dtype, max_model_len=2048)
     model = llm.engine.executor.worker.model
     hooks = [getattr(m, "kernel", None) for m in model.modules()] + [model.logits_kernel]
     small = [h for h in hooks if isinstance(h, SmallStepsLinear)]
     if not small:
         sys.exit(
-            "the fp32 linear kernel is not attached (not the AVX2 level: try KVFERRY_CPU_ISA=avx2;"
-            " no C compiler; or KVFERRY_NATIVE_KERNELS=0)"
+            "no small-step kernel is attached (fp32: not the AVX2 level, try KVFERRY_CPU_ISA=avx2;"
+            " bf16: no AVX512_BF16; no C compiler; or KVFERRY_NATIVE_KERNELS=0)"
         )
 
     results: dict[str, Any] = {}
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         rates = ab_rounds(
             llm, attach, names, prompts=args.prompts, max_tokens=args.max_tokens, rounds=args.rounds
         )
-        label = f"{folder.name} fp32 p{args.prompts} kernel<={limit} rows"
+        label = f"{folder.name} {args.dtype} p{args.prompts} kernel<={limit} rows"
         results[str(limit)] = {
             "tokens_per_s": rates,
             "paired_gain": ab_summary(label, rates, names),

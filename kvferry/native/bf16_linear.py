@@ -9,7 +9,7 @@ import torch
 
 from kvferry.native.rows_linear import VARIANT_CODES, RowsLinearKernel, load_rows_kernel
 
-Variant = Literal["scalar", "avx2", "avx512"]
+Variant = Literal["scalar", "avx2", "avx512", "avx512bf16"]
 # The kernel's variant numbers (KVF_* in the C source).
 VARIANTS: dict[Variant, int] = {v: VARIANT_CODES[v] for v in get_args(Variant)}
 

@@ -14,11 +14,13 @@ Which path serves what (all on CPU):
   it serves every step, prefill included (oneDNN's GEMMs beat MKL's on AMD CPUs, where MKL
   takes generic kernels); below AVX2 it serves small steps (decode) and MKL the rest. At the
   AVX2 level, steps of at most :data:`F32_KERNEL_MAX_ROWS` rows (decode, the logits) run a C
-  kernel on the dense weight instead, which beats oneDNN there. Where torch has no oneDNN the
+  kernel on the dense weight instead, which beats oneDNN there; at the AVX-512 level, steps of
+  at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows. Where torch has no oneDNN the
   weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
   elementwise steps.
 * bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
-  weight, for every step.
+  weight, for every step but those of at most :data:`BF16_DOT_MAX_ROWS` rows (a lone decode),
+  which the C kernel's AVX512-BF16 variant computes on the dense bf16 weight.
 * bf16 without them (e.g. AVX2 only, or ``KVFERRY_CPU_ISA=avx2``): steps of at most
   :data:`BF16_KERNEL_MAX_ROWS` rows, the logits included, run the C kernel that reads the bf16
   weights as they are and widens them in registers (the variant of the CPU's level); larger
@@ -84,6 +86,13 @@ BF16_KERNEL_MAX_ROWS = 128
 # oneDNN's small steps neither stream the weight at the memory rate nor compute at the GEMM
 # rate; the two cross near 40 rows on the benchmark models' shapes.
 F32_KERNEL_MAX_ROWS = 32
+# At the AVX-512 level oneDNN's small steps come closer to the memory rate, and the fp32
+# kernel (its AVX2 variant) leads only while a step streams each weight once: 1-4 rows.
+F32_KERNEL_MAX_ROWS_AVX512 = 4
+# Up to this many rows the bf16 C kernel's dot-product variant beats oneDNN's packed bf16 GEMM
+# on a CPU with AVX512_BF16: a one-row step streams the weight once at the memory rate, where
+# oneDNN's small-step GEMM (AMX or not) stays below it; from two rows on they are level.
+BF16_DOT_MAX_ROWS = 1
 
 
 def _native_fp16_matmul(features: CPUFeatures) -> bool:
@@ -285,7 +294,9 @@ class CPUBackend:
             self.write_kernel = load_kv_write()
             if dtype == torch.bfloat16 and not self.native_half:
                 self.bf16_linear = load_bf16_linear(self.features.isa)
-            if dtype == torch.float32 and self.features.isa == "avx2":
+            elif dtype == torch.bfloat16 and self.features.bf16_dot:
+                self.bf16_linear = load_bf16_linear("avx512bf16")
+            if dtype == torch.float32 and self.features.isa in ("avx2", "avx512"):
                 self.f32_linear = load_f32_linear("avx2")
             self.argmax = load_argmax()
         self.paths: dict[str, str] = {}
@@ -295,7 +306,7 @@ class CPUBackend:
         kernels write through raw pointers, out of autograd's sight)."""
         if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.native_half):
             self._pack(model)
-        elif self.bf16_linear is not None:
+        elif self.bf16_linear is not None and not self.native_half:
             hook = BF16Linear(self.bf16_linear, BF16_KERNEL_MAX_ROWS)
             for module in model.modules():
                 if isinstance(module, Linear):
@@ -373,16 +384,28 @@ class CPUBackend:
             )
         else:
             model.logits_kernel = model.lm_head.kernel
-        if self.f32_linear is not None and self.paths["linear"].startswith("onednn"):
-            name = f"c-f32-{self.f32_linear.variant}<={F32_KERNEL_MAX_ROWS}rows,"
+        small = self._small_steps_kernel()
+        if small is not None and self.paths["linear"].startswith("onednn"):
+            kernel, rows = small
+            name = f"c-{kernel.NAME.removesuffix('_linear')}-{kernel.variant}<={rows}rows,"
             self.paths.update(linear=name + self.paths["linear"])
         self.paths.update(logits=self.paths["linear"])
 
+    def _small_steps_kernel(self) -> tuple[RowsLinearKernel, int] | None:
+        """The C kernel that serves the smallest steps in front of the packed weights, and up
+        to how many rows."""
+        if self.f32_linear is not None:
+            avx2 = self.features.isa == "avx2"
+            return self.f32_linear, F32_KERNEL_MAX_ROWS if avx2 else F32_KERNEL_MAX_ROWS_AVX512
+        if self.bf16_linear is not None and self.native_half:
+            return self.bf16_linear, BF16_DOT_MAX_ROWS
+        return None
+
     def _small_steps(self, rest: CPULinear) -> SmallStepsLinear | CPULinear:
-        """``rest``, with the fp32 C kernel in front of it where this backend has one."""
-        if self.f32_linear is None:
-            return rest
-        return SmallStepsLinear(self.f32_linear, F32_KERNEL_MAX_ROWS, rest)
+        """``rest``, with the C kernel for small steps in front of it where this backend has
+        one."""
+        small = self._small_steps_kernel()
+        return rest if small is None else SmallStepsLinear(small[0], small[1], rest)
 
 
 def _logits_weight(model: CausalLM) -> torch.Tensor:

@@ -57,6 +57,12 @@ class CPUFeatures:
         return self.isa == "avx512" and bool({"avx512_bf16", "amx_bf16"} & self.flags)
 
     @property
+    def bf16_dot(self) -> bool:
+        """Whether AVX512_BF16's dot products (pairs of bf16 summed into fp32 lanes) are
+        there at the level used."""
+        return self.isa == "avx512" and "avx512_bf16" in self.flags
+
+    @property
     def cpu_isa(self) -> ISA:
         """The CPU's own level, whatever the cap."""
         return _level(self.flags)
@@ -69,6 +75,7 @@ class CPUFeatures:
             "isa": self.isa,
             "forced_isa": self.forced or "-",
             "native_bf16": self.native_bf16,
+            "bf16_dot": self.bf16_dot,
         }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import f32_linear_ab
+from kvferry.native.bf16_linear import load_bf16_linear
 from kvferry.native.f32_linear import load_f32_linear
 from kvferry.worker import cpu_features as cf
 
@@ -37,3 +38,16 @@ def test_each_row_limit_runs_paired_rounds_against_onednn(
         assert len(rates["kernel"]) == len(rates["onednn"]) == 2
         assert all(r > 0 for r in rates["kernel"] + rates["onednn"])
         assert len(side["paired_gain"]["per_round"]) == 2
+
+
+def test_bf16_dot_kernel_runs_paired_rounds_against_onednn(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    if not cf.cpu_features().bf16_dot or load_bf16_linear("avx512bf16") is None:
+        pytest.skip("needs a CPU with AVX512_BF16 and a C compiler")
+    out = tmp_path / "ab.json"
+    args = ["--model", str(tiny_model_factory()), "--prompts", "1", "--max-tokens", "4"]
+    ab = ["--dtype", "bfloat16", "--rounds", "2", "--max-rows", "1", "--out", str(out)]
+    f32_linear_ab.main([*args, *ab])
+    rates = json.loads(out.read_text())["max_rows"]["1"]["tokens_per_s"]
+    assert len(rates["kernel"]) == len(rates["onednn"]) == 2

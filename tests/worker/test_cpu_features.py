@@ -33,6 +33,14 @@ def test_native_bf16_needs_avx512_level_and_bf16_instructions() -> None:
     assert cf.CPUFeatures("x", flags - {"avx512_bf16"} | {"amx_bf16"}, "avx512").native_bf16
 
 
+def test_bf16_dot_needs_avx512_level_and_avx512_bf16() -> None:
+    flags = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
+    assert cf.CPUFeatures("x", flags, "avx512").bf16_dot
+    assert not cf.CPUFeatures("x", flags, "avx2", forced="avx2").bf16_dot
+    # AMX alone is a tile unit, not the dot-product instructions the C kernel uses.
+    assert not cf.CPUFeatures("x", flags - {"avx512_bf16"} | {"amx_bf16"}, "avx512").bf16_dot
+
+
 def test_cap_lowers_and_never_raises_the_level() -> None:
     own = cf.detect()
     assert own.isa == own.cpu_isa and own.forced is None

@@ -105,7 +105,24 @@ def test_every_bf16_path_gives_the_same_tokens(
         else:
             assert "linear=torch-bfloat16,widen" in line and "logits=fp32-copy" in line
     if own.native_bf16:  # the auto run took the packed bf16 weights
-        assert "linear=onednn-bfloat16-packed" in runs["auto"]
+        assert "linear=onednn-bfloat16-packed" in runs["auto"] or (
+            "linear=c-bf16-avx512bf16<=" in runs["auto"]
+        )
+    if own.bf16_dot:
+        # The dot-product kernel in front of the packed weights: for one-row steps (as
+        # chosen), for every step up to 64 rows (prefill included), and not at all.
+        monkeypatch.delenv("KVFERRY_CPU_ISA")
+        cf.cpu_features.cache_clear()
+        for dot_rows, kernel in [(1, True), (64, True), (1, False)]:
+            monkeypatch.setattr(cpu_backend, "BF16_DOT_MAX_ROWS", dot_rows)
+            monkeypatch.setattr(
+                cpu_backend, "load_bf16_linear", real_loader if kernel else lambda variant: None
+            )
+            got, line = generate(folder, caplog)
+            assert_same_greedy(got, want, BF16_TIE, ("dot", dot_rows, kernel, line))
+            packed = "onednn-bfloat16-packedall-rows"
+            path = f"c-bf16-avx512bf16<={dot_rows}rows,{packed}" if kernel else packed
+            assert f"linear={path} logits={path}" in line and "native_bf16=True" in line
 
 
 def test_every_fp32_path_gives_the_same_tokens(
@@ -127,7 +144,9 @@ def test_every_fp32_path_gives_the_same_tokens(
         ("scalar", True, f"onednn-float32-packed<={cpu_backend.PACKED_MAX_ROWS}rows,torch"),
     ]
     if own.cpu_isa == "avx512":
-        cases.append(("avx512", True, "onednn-float32-packedall-rows"))
+        wide = f"c-f32-avx2<={cpu_backend.F32_KERNEL_MAX_ROWS_AVX512}rows,"
+        cases.append(("avx512", True, wide + "onednn-float32-packedall-rows"))
+        cases.append(("avx512", False, "onednn-float32-packedall-rows"))
     for isa, kernel, path in cases:
         monkeypatch.setenv("KVFERRY_CPU_ISA", isa)
         monkeypatch.setattr(

@@ -10,12 +10,15 @@
  * call, is stored in the same even/odd order so the products pair up. AVX2: 8 weights are
  * zero-extended and shifted, in order, and x is widened in order; steps of 1-3 rows stream
  * each weight row once with a software prefetch ahead, more rows use register tiles.
+ * AVX512-BF16 (CPUs with bf16 dot-product instructions): x stays bf16 and each instruction
+ * sums 16 pairs of exact products into fp32 lanes, so nothing is widened at all; steps of
+ * 1-4 rows stream each weight row once, more rows use 4 x 4 register tiles.
  *
  * Layouts: x [M, K] and out [M, N] with row strides in elements, w [N, K] with a row stride;
  * the K elements of a row are contiguous. Products are exact in fp32; sums run in fp32 and
  * the result is rounded to bf16 to nearest even, as torch rounds.
  *
- * Variants: AVX-512F and AVX2+FMA (x86-64, compiled through target attributes whatever
+ * Variants: AVX512-BF16, AVX-512F and AVX2+FMA (x86-64, compiled through target attributes whatever
  * -march says, so one build serves both kinds of CPU and a caller may pick the smaller one),
  * and portable C. kvf_bf16_linear_variants() says which are in this build; the caller must
  * only ask for one the CPU runs. A target attribute adds to -march=native, so on an AVX-512
@@ -32,6 +35,7 @@
 #define KVF_SCALAR 0
 #define KVF_AVX2 1
 #define KVF_AVX512 2
+#define KVF_AVX512BF16 3
 
 /* Weight rows per tile (their K elements stay in L1 while every x row passes over them) and
  * x rows per tile, per variant: as many accumulators as the vector registers hold. */
@@ -246,12 +250,114 @@ rows_avx2(const float *x, int64_t sx, const uint16_t *w, int64_t sw, const uint1
     }
 }
 
-#define KVF_VARIANTS ((1 << KVF_SCALAR) | (1 << KVF_AVX2) | (1 << KVF_AVX512))
+/* ---- AVX512-BF16: x and w as they are, 32 bf16 (16 pairs) per dot-product instruction -- */
+
+#define TBF __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline
+
+/* The n (at most 32) bf16 at p as one vector, zeros past them: a zero pair adds nothing, and
+ * the masked load never touches memory past p + n. */
+TBF __m512bh load_bh(const uint16_t *p, int64_t n) {
+    if (n >= 32) return (__m512bh)_mm512_loadu_si512(p);
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << n) - 1u), p);
+}
+
+/* Steps of at most this many x rows stream each weight row once (two accumulators per row,
+ * so consecutive dot products do not wait on each other); more rows take 4 x 4 tiles. */
+#define BF_STREAM_MAX_ROWS 4
+#define BF_MT 4
+#define BF_NT 4
+
+/* The products of MR x rows (a constant after inlining) with the weight rows [n0, n1). */
+TBF void streambf(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
+                  const uint16_t *bias, int MR, int64_t n0, int64_t n1, int64_t K,
+                  uint16_t *out, int64_t so) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = w + n * sw;
+        __m512 acc[BF_STREAM_MAX_ROWS][2];
+        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) { /* two cache lines of the weight row */
+            _mm_prefetch((const char *)(wr + k) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + k) + STREAM_PREFETCH_BYTES + 64, _MM_HINT_T0);
+            const __m512bh w0 = load_bh(wr + k, 32), w1 = load_bh(wr + k + 32, 32);
+            for (int i = 0; i < MR; i++) {
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, load_bh(x + i * sx + k, 32));
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, load_bh(x + i * sx + k + 32, 32));
+            }
+        }
+        for (; k < K; k += 32) {
+            const __m512bh wv = load_bh(wr + k, K - k);
+            for (int i = 0; i < MR; i++)
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], wv, load_bh(x + i * sx + k, K - k));
+        }
+        for (int i = 0; i < MR; i++) {
+            const float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+            store_out(out, so, bias, i, n, sum);
+        }
+    }
+}
+
+/* One tile of MT x rows by NR weight rows (constants after inlining); `next` as in tile256. */
+TBF void tilebf(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
+                const uint16_t *bias, int64_t m0, int MT, int64_t n0, int NR, int64_t K,
+                uint16_t *out, int64_t so, const uint16_t *next) {
+    __m512 acc[BF_MT][BF_NT];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const int64_t len = K - k;
+        __m512bh wv[BF_NT];
+        for (int j = 0; j < NR; j++) wv[j] = load_bh(w + (n0 + j) * sw + k, len);
+        if (next)
+            for (int j = 0; j < NR; j++)
+                _mm_prefetch((const char *)(next + j * sw + k), _MM_HINT_T0);
+        for (int i = 0; i < MT; i++) {
+            const __m512bh xv = load_bh(x + (m0 + i) * sx + k, len);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+        }
+    }
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < NR; j++)
+            store_out(out, so, bias, m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+#define TILEBF_COLS(MT_)                                                                     \
+    do {                                                                                     \
+        int64_t n = p0;                                                                      \
+        for (; n + BF_NT <= p1; n += BF_NT)                                                  \
+            tilebf(x, sx, w, sw, bias, m, MT_, n, BF_NT, K, out, so, NEXT_TILE(n, BF_NT));   \
+        for (; n < p1; n++) tilebf(x, sx, w, sw, bias, m, MT_, n, 1, K, out, so, 0);         \
+    } while (0)
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static void
+rows_avx512bf16(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
+                const uint16_t *bias, int64_t M, int64_t n0, int64_t n1, int64_t K,
+                uint16_t *out, int64_t so) {
+    switch (M) {
+    case 1: streambf(x, sx, w, sw, bias, 1, n0, n1, K, out, so); return;
+    case 2: streambf(x, sx, w, sw, bias, 2, n0, n1, K, out, so); return;
+    case 3: streambf(x, sx, w, sw, bias, 3, n0, n1, K, out, so); return;
+    case 4: streambf(x, sx, w, sw, bias, 4, n0, n1, K, out, so); return;
+    }
+    for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
+        const int64_t p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
+        int64_t m = 0;
+        for (; m + BF_MT <= M; m += BF_MT) TILEBF_COLS(BF_MT);
+        switch (M - m) {
+        case 3: TILEBF_COLS(3); break;
+        case 2: TILEBF_COLS(2); break;
+        case 1: TILEBF_COLS(1); break;
+        }
+    }
+}
+
+#define KVF_VARIANTS \
+    ((1 << KVF_SCALAR) | (1 << KVF_AVX2) | (1 << KVF_AVX512) | (1 << KVF_AVX512BF16))
 #else
 #define KVF_VARIANTS (1 << KVF_SCALAR)
 #endif
 
-/* Bit v set: variant v (KVF_SCALAR, KVF_AVX2, KVF_AVX512) is in this build. */
+/* Bit v set: variant v (KVF_SCALAR, KVF_AVX2, KVF_AVX512, KVF_AVX512BF16) is in this build. */
 int kvf_bf16_linear_variants(void) { return KVF_VARIANTS; }
 
 /* x widened to fp32 once per call, in a buffer the calling thread keeps: decode calls are
@@ -288,11 +394,11 @@ static const float *widen_x(const uint16_t *x, int64_t sx, int64_t M, int64_t K,
 int kvf_bf16_linear(int variant, const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
                     const uint16_t *bias, int64_t M, int64_t N, int64_t K, uint16_t *out,
                     int64_t so, int num_threads) {
-    if (variant < 0 || variant > KVF_AVX512 || !(KVF_VARIANTS & (1 << variant))) return -1;
+    if (variant < 0 || variant > KVF_AVX512BF16 || !(KVF_VARIANTS & (1 << variant))) return -1;
     if (M <= 0 || N <= 0) return 0;
     const float *xf = 0;
-    if (variant != KVF_SCALAR && !(xf = widen_x(x, sx, M, K, variant == KVF_AVX2 ? 0 : 16)))
-        return -2;
+    const int widen = variant == KVF_AVX2 || variant == KVF_AVX512;
+    if (widen && !(xf = widen_x(x, sx, M, K, variant == KVF_AVX2 ? 0 : 16))) return -2;
     const int64_t nb = variant == KVF_AVX2 ? NT256 : NT; /* outputs per tile */
     const int parallel = M * N * K >= PARALLEL_MIN_MACS && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
@@ -301,7 +407,9 @@ int kvf_bf16_linear(int variant, const uint16_t *x, int64_t sx, const uint16_t *
         thread_outputs(N, nb, &n0, &n1);
         if (n0 < n1) {
 #if defined(__x86_64__) && defined(__GNUC__)
-            if (variant == KVF_AVX512)
+            if (variant == KVF_AVX512BF16)
+                rows_avx512bf16(x, sx, w, sw, bias, M, n0, n1, K, out, so);
+            else if (variant == KVF_AVX512)
                 rows_avx512(xf, K, w, sw, bias, M, n0, n1, K, out, so);
             else if (variant == KVF_AVX2)
                 rows_avx2(xf, K, w, sw, bias, M, n0, n1, K, out, so);
