@@ -7,7 +7,7 @@ The paths a bf16 model's linear layers can take on a CPU (``kvferry.worker.cpu_b
     packed     oneDNN-packed bf16 weights (torch.ops.mkldnn._reorder_linear_weight)
     widen      the weight widened to fp32 for the call, then an fp32 GEMM
     c-<isa>    the C kernel that reads bf16 weights as they are (csrc/bf16_linear.c), in each
-               variant this CPU runs (avx512, avx2, scalar)
+               variant this CPU runs (avx512bf16, avx512, avx2, scalar)
 
 Shapes: ``mid`` (hidden 1024, intermediate 2048, 16/4 heads of 64, vocab 32000) and
 ``qwen3-0.6b`` (hidden 1024, intermediate 3072, q 2048 / kv 1024, vocab 151936). Paths are
@@ -18,6 +18,8 @@ steps compute logits only for the rows they sample).
     .venv/bin/python benchmarks/bf16_linear_paths.py
     .venv/bin/python benchmarks/bf16_linear_paths.py --shape qwen3-0.6b --rows 1,8,64 --paths torch,c-avx2
     .venv/bin/python benchmarks/bf16_linear_paths.py --rows 512,2048 --no-logits --paths torch,packed,widen
+    .venv/bin/python benchmarks/bf16_linear_paths.py --shape qwen3-0.6b --layers 28 --no-logits \
+        --rows 1,2,4,8,16 --paths packed,c-avx512bf16,c-avx512
 """
 
 from __future__ import annotations
@@ -70,24 +72,37 @@ def build_paths(names: list[str], weights: list[torch.Tensor]) -> dict[str, Path
 
 
 def main() -> None:
-    own = ISA_LEVELS.index(cpu_features().cpu_isa)
-    runnable = [f"c-{v}" for v in VARIANTS if ISA_LEVELS.index(v) <= own and v != "scalar"]
+    features = cpu_features()
+    own = ISA_LEVELS.index(features.cpu_isa)
+    levels = [v for v in VARIANTS if v in ISA_LEVELS and v != "scalar"]
+    runnable = [f"c-{v}" for v in levels if ISA_LEVELS.index(v) <= own]
+    if features.cpu_isa == "avx512" and "avx512_bf16" in features.flags:
+        runnable.insert(0, "c-avx512bf16")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="mid")
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--paths", default=",".join(["torch", "packed", *runnable, "widen"]))
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--no-logits", action="store_true")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="decoder layers of weights (more than the last-level cache holds: from memory)",
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print("cpu", cpu_features().as_dict(), "threads", args.threads)
     layer, logits = SHAPES[args.shape]
-    shapes = layer if args.no_logits else [*layer, logits]
+    shapes = layer * args.layers if args.no_logits else [*(layer * args.layers), logits]
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(o, i, generator=g) * 0.02).bfloat16() for o, i in shapes]
     paths = build_paths(args.paths.split(","), weights)
-    print(f"shape={args.shape} logits={not args.no_logits} median ms per layer(+logits)")
+    print(
+        f"shape={args.shape} layers={args.layers} logits={not args.no_logits}"
+        " median ms per pass over them"
+    )
     for rows in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(rows, w.shape[1], generator=g).bfloat16() for w in weights]
         times: dict[str, list[float]] = {p: [] for p in paths}
