@@ -166,8 +166,8 @@ def test_cpu_fp32_weights_are_laid_out_for_gemms(tiny_model_factory: Callable[..
     proj = fp32.model.layers[0].self_attn.qkv_proj
     if cpu_backend.pack_weight(torch.ones(2, 2)) is not None:
         hook = proj.kernel
-        if isinstance(hook, SmallStepsLinear):  # the AVX2 level: a C kernel for small steps
-            assert cpu_backend.cpu_features().isa == "avx2"
+        if isinstance(hook, SmallStepsLinear):  # AVX2 or AVX-512: a C kernel for small steps
+            assert cpu_backend.cpu_features().isa in ("avx2", "avx512")
             hook = hook.rest
         assert isinstance(hook, CPULinear)
         assert hook.packed is not None and proj.weight.is_contiguous()
@@ -175,10 +175,15 @@ def test_cpu_fp32_weights_are_laid_out_for_gemms(tiny_model_factory: Callable[..
         assert proj.weight.stride() == (1, proj.weight.shape[0])  # input-major
     bf16 = cpu_tuned(folder, "bfloat16")
     proj = bf16.model.layers[0].self_attn.qkv_proj
-    packed = proj.kernel.packed if isinstance(proj.kernel, CPULinear) else None
+    hook = proj.kernel
+    if isinstance(hook, SmallStepsLinear) and cpu_backend.cpu_features().native_bf16:
+        hook = hook.rest  # the dot-product kernel for one-row steps, in front of the packed copy
+    packed = hook.packed if isinstance(hook, CPULinear) else None
     assert proj.weight.is_contiguous()  # half precision: the dense weight keeps its layout
     if not cpu_backend.cpu_features().native_bf16:
         assert packed is None  # a bf16 packed copy only serves bf16 instructions
+    else:
+        assert packed is not None
 
 
 def test_cpu_fp32_without_onednn_uses_input_major_weights(
