@@ -72,6 +72,13 @@ class EngineArgs:
             + ", ".join(PREFIX_CACHING_HASH_ALGOS[1:])
         ),
     )
+    kv_pool_prefault: bool = field(
+        default=False,
+        metadata=_help(
+            "take every page of a CPU KV pool at start-up, not on each block's first use"
+            " (default: on for serve, off offline; KVFERRY_KV_POOL_PREFAULT=1 turns it on)"
+        ),
+    )
     max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget per step"))
     max_num_seqs: int = field(default=128, metadata=_help("max requests per step"))
     enable_chunked_prefill: bool = field(
@@ -166,6 +173,7 @@ class EngineArgs:
                 kv_cache_memory=kv_mem,
                 num_kv_blocks=self.num_kv_blocks,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                kv_pool_prefault=self.kv_pool_prefault,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

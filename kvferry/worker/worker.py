@@ -8,6 +8,7 @@ request of ``max_model_len`` tokens, or that exceeds the memory available, is re
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -46,7 +47,7 @@ def available_memory(device: torch.device) -> int:
 
 
 def zeroed_kv_tensor(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False
 ) -> torch.Tensor:
     """A zero-filled KV cache tensor (zeroed so that padded attention positions never read NaN
     garbage).
@@ -54,8 +55,9 @@ def zeroed_kv_tensor(
     On CPU the tensor lives in its own anonymous memory map, which the OS hands out zeroed,
     page by page on first write: start-up does not pay for zeroing a pool sized for the whole
     run up front, each block's pages are paid for when the block is first used,
-    and RSS grows with the blocks in use (``KVFERRY_KV_POOL_PREFAULT=1`` takes every page at
-    start-up instead, for hosts where the memory must be resident before the first request).
+    and RSS grows with the blocks in use. ``prefault`` (``CacheConfig.kv_pool_prefault``) takes
+    every page at start-up instead, so that no request pays for them: a server's first
+    requests would otherwise each take a fresh block's faults in their time to first token.
     Transparent huge pages are not requested: attention reads scattered blocks slightly
     faster from them, but a huge-page fault may stall on memory compaction for a long time.
     """
@@ -65,8 +67,8 @@ def zeroed_kv_tensor(
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The tensor holds a reference to the map, which lives as long as the tensor does.
     tensor = torch.frombuffer(buf, dtype=dtype).view(shape)
-    if envs.kv_pool_prefault():
-        tensor.zero_()  # take every page now rather than from the first requests
+    if prefault:
+        tensor.zero_()
     return tensor
 
 
@@ -113,7 +115,12 @@ class Worker:
         # Every rank's pool has the same number of blocks: the scheduler hands out one id space.
         num_blocks = all_reduce_min(self._num_blocks(groups))
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=groups, layout=layout)
-        self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device, zeroed_kv_tensor)
+        prefault = config.cache_config.kv_pool_prefault or envs.kv_pool_prefault()
+        self.kv_caches = allocate_kv_caches(
+            self.kv_cache_config,
+            self.device,
+            functools.partial(zeroed_kv_tensor, prefault=prefault),
+        )
         logger.info(
             fmt_fields(
                 "KV cache allocated",

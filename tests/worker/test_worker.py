@@ -6,6 +6,8 @@ import ctypes
 import gc
 import mmap
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +47,45 @@ def test_prefault_makes_the_pool_resident_at_start(monkeypatch: pytest.MonkeyPat
 
     lazy = zeroed_kv_tensor(shape, torch.float32, torch.device("cpu"))
     assert resident(lazy) == 0
-    monkeypatch.setenv("KVFERRY_KV_POOL_PREFAULT", "1")
-    eager = zeroed_kv_tensor(shape, torch.float32, torch.device("cpu"))
+    eager = zeroed_kv_tensor(shape, torch.float32, torch.device("cpu"), prefault=True)
     assert resident(eager) == nbytes // mmap.PAGESIZE and not eager.any()
+
+
+@pytest.mark.parametrize(
+    "argv,env,want",
+    [
+        (["generate", "--model", "m"], None, False),
+        (["generate", "--model", "m", "--kv-pool-prefault"], None, True),
+        (["generate", "--model", "m"], "1", True),
+        (["serve", "m"], None, True),
+        (["serve", "m", "--no-kv-pool-prefault"], None, False),
+    ],
+)
+def test_the_pool_is_prefaulted_where_a_server_or_the_user_asks(
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model_factory: Callable[..., Path],
+    argv: list[str],
+    env: str | None,
+    want: bool,
+) -> None:
+    """A server takes its pool's pages at start-up, as vLLM does; offline engines take them as
+    blocks are first used unless asked; the env var turns it on for every engine."""
+    from kvferry.engine.arg_utils import EngineArgs
+    from kvferry.entrypoints.cli import build_parser
+    from kvferry.worker import worker
+
+    monkeypatch.delenv("KVFERRY_KV_POOL_PREFAULT", raising=False)
+    if env is not None:
+        monkeypatch.setenv("KVFERRY_KV_POOL_PREFAULT", env)
+    argv = [a if a != "m" else str(tiny_model_factory()) for a in argv]
+    config = EngineArgs.from_cli_args(build_parser().parse_args(argv)).create_engine_config()
+    seen: list[bool] = []
+
+    def allocate(kv_cache_config: object, device: object, alloc: object) -> list[object]:
+        seen.append(alloc.keywords["prefault"])  # type: ignore[attr-defined]
+        raise StopIteration
+
+    monkeypatch.setattr(worker, "allocate_kv_caches", allocate)
+    with pytest.raises(StopIteration):
+        worker.Worker(config)
+    assert seen == [want]
