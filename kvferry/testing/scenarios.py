@@ -99,7 +99,9 @@ def _preemption(s: Subject, with_load: bool) -> Outcome:
     tag = "pload" if with_load else "psave"
     p = s.h.profile
     prompts = s.prompts(tag, [40] * 4)
-    params = dataclasses.replace(s.h.params, max_tokens=24)  # decodes that outgrow the pool
+    # Decodes that outgrow the pool: each request ends at 104 tokens (7 of the 10 blocks), so
+    # any two that run at once preempt, however far apart their loads let them start.
+    params = dataclasses.replace(s.h.params, max_tokens=64)
     pool = p.small_pool_blocks
     run = s.h.engine(s.kv, num_kv_blocks=pool, max_model_len=pool * BLOCK_SIZE,
                      max_num_batched_tokens=pool * BLOCK_SIZE)  # fmt: skip
