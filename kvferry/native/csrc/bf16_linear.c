@@ -133,16 +133,7 @@ T512 void tile512(const float *x, int64_t sx, const uint16_t *w, int64_t sw,
 __attribute__((target("avx512f"))) static void
 rows_avx512(const float *x, int64_t sx, const uint16_t *w, int64_t sw, const uint16_t *bias,
             int64_t M, int64_t n0, int64_t n1, int64_t K, uint16_t *out, int64_t so) {
-    for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
-        const int64_t p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
-        int64_t m = 0;
-        for (; m + MT512 <= M; m += MT512) TILE512_COLS(MT512);
-        switch (M - m) {
-        case 3: TILE512_COLS(3); break;
-        case 2: TILE512_COLS(2); break;
-        case 1: TILE512_COLS(1); break;
-        }
-    }
+    FOR_PANEL_TILES(PANEL, MT512, TILE512_COLS);
 }
 
 /* ---- AVX2 + FMA: 8 lanes, tiles of up to 4 x rows by 3 weight rows (16 registers) ------- */
@@ -238,16 +229,7 @@ rows_avx2(const float *x, int64_t sx, const uint16_t *w, int64_t sw, const uint1
     case 2: stream256(x, sx, w, sw, bias, 2, n0, n1, K, out, so); return;
     case 3: stream256(x, sx, w, sw, bias, 3, n0, n1, K, out, so); return;
     }
-    for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
-        const int64_t p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
-        int64_t m = 0;
-        for (; m + MT256 <= M; m += MT256) TILE256_COLS(MT256);
-        switch (M - m) {
-        case 3: TILE256_COLS(3); break;
-        case 2: TILE256_COLS(2); break;
-        case 1: TILE256_COLS(1); break;
-        }
-    }
+    FOR_PANEL_TILES(PANEL, MT256, TILE256_COLS);
 }
 
 /* ---- AVX512-BF16: x and w as they are, 32 bf16 (16 pairs) per dot-product instruction -- */
@@ -339,16 +321,7 @@ rows_avx512bf16(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
     case 3: streambf(x, sx, w, sw, bias, 3, n0, n1, K, out, so); return;
     case 4: streambf(x, sx, w, sw, bias, 4, n0, n1, K, out, so); return;
     }
-    for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
-        const int64_t p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
-        int64_t m = 0;
-        for (; m + BF_MT <= M; m += BF_MT) TILEBF_COLS(BF_MT);
-        switch (M - m) {
-        case 3: TILEBF_COLS(3); break;
-        case 2: TILEBF_COLS(2); break;
-        case 1: TILEBF_COLS(1); break;
-        }
-    }
+    FOR_PANEL_TILES(PANEL, BF_MT, TILEBF_COLS);
 }
 
 #define KVF_VARIANTS \

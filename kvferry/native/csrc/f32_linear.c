@@ -104,16 +104,7 @@ T256 void tile256(const float *x, int64_t sx, const float *w, int64_t sw, const 
 __attribute__((target("avx2,fma"))) static void
 rows_avx2(const float *x, int64_t sx, const float *w, int64_t sw, const float *bias, int64_t M,
           int64_t n0, int64_t n1, int64_t K, float *out, int64_t so) {
-    for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
-        const int64_t p1 = p0 + PANEL < n1 ? p0 + PANEL : n1;
-        int64_t m = 0;
-        for (; m + MT <= M; m += MT) TILE256_COLS(MT);
-        switch (M - m) {
-        case 3: TILE256_COLS(3); break;
-        case 2: TILE256_COLS(2); break;
-        case 1: TILE256_COLS(1); break;
-        }
-    }
+    FOR_PANEL_TILES(PANEL, MT, TILE256_COLS);
 }
 
 #define KVF_VARIANTS ((1 << KVF_SCALAR) | (1 << KVF_AVX2))

@@ -38,4 +38,20 @@ static inline void thread_outputs(int64_t N, int64_t nb, int64_t *n0, int64_t *n
  * L2) leave it idle (AVX2-only Zen 2, docs/benchmarks.md). NULL when no full tile follows. */
 #define NEXT_TILE(n, nt) (m == 0 && (n) + 2 * (nt) <= n1 ? w + ((n) + (nt)) * sw : 0)
 
+/* Inside a kernel's rows function (with M, n0 and n1 in scope): every panel [p0, p1) of
+ * `panel` weight rows, and within it every tile of MT_FULL (4) x rows from m, then the 1-3
+ * rows left over; COLS(MT_) computes x rows [m, m + MT_) against the panel's weight rows. */
+#define FOR_PANEL_TILES(panel, MT_FULL, COLS)                                                \
+    for (int64_t p0 = n0; p0 < n1; p0 += (panel)) {                                          \
+        _Static_assert((MT_FULL) == 4, "the leftover rows are 1-3");                         \
+        const int64_t p1 = p0 + (panel) < n1 ? p0 + (panel) : n1;                            \
+        int64_t m = 0;                                                                       \
+        for (; m + (MT_FULL) <= M; m += (MT_FULL)) COLS(MT_FULL);                            \
+        switch (M - m) {                                                                     \
+        case 3: COLS(3); break;                                                              \
+        case 2: COLS(2); break;                                                              \
+        case 1: COLS(1); break;                                                              \
+        }                                                                                    \
+    }
+
 #endif
