@@ -76,7 +76,7 @@ def main() -> None:
     own = ISA_LEVELS.index(features.cpu_isa)
     levels = [v for v in VARIANTS if v in ISA_LEVELS and v != "scalar"]
     runnable = [f"c-{v}" for v in levels if ISA_LEVELS.index(v) <= own]
-    if features.cpu_isa == "avx512" and "avx512_bf16" in features.flags:
+    if features.bf16_dot:
         runnable.insert(0, "c-avx512bf16")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="mid")

@@ -2,11 +2,11 @@
 engine: fp32 (``csrc/f32_linear.c``), or with ``--dtype bfloat16`` the bf16 kernel's
 AVX512-BF16 variant (``csrc/bf16_linear.c``) in front of the packed bf16 weights.
 
-One ``LLM`` on a benchmark model (fp32 on a CPU where the backend picks the kernel: the AVX2
-level, or ``KVFERRY_CPU_ISA=avx2``; bf16 on a CPU with AVX512_BF16); each round generates fresh prompts twice, once with the
-kernel serving steps of at most ``--max-rows`` rows and once with every step on oneDNN, in
-alternating order (see ``harness/kernel_ab.py``). Several ``--max-rows`` values run one after
-the other, each against oneDNN, to place the crossover.
+One ``LLM`` on a benchmark model (fp32 on a CPU where the backend picks the kernel: the AVX2 or
+AVX-512 level; bf16 on a CPU with AVX512_BF16); each round generates fresh prompts twice, once
+with the kernel serving steps of at most ``--max-rows`` rows and once with every step on
+oneDNN, in alternating order (see ``harness/kernel_ab.py``). Several ``--max-rows`` values run
+one after the other, each against oneDNN, to place the crossover.
 
     .venv/bin/python benchmarks/f32_linear_ab.py --model mid --prompts 8
     .venv/bin/python benchmarks/f32_linear_ab.py --model mid --prompts 32 --max-rows 16,32,48

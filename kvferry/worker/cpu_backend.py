@@ -54,7 +54,7 @@ from kvferry.model.layers import GatedMLP, Linear, LinearKernel, RMSNorm
 from kvferry.model.llama import CausalLM, DecoderAttention
 from kvferry.native.argmax import ArgmaxKernel, load_argmax
 from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
-from kvferry.native.f32_linear import F32LinearKernel, load_f32_linear
+from kvferry.native.f32_linear import load_f32_linear
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.kv_write import KVWriteKernel, load_kv_write
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
@@ -277,8 +277,10 @@ class CPUBackend:
         self.prefill_kernel: PagedPrefillKernel | None = None
         self.write_kernel: KVWriteKernel | None = None
         self.argmax: ArgmaxKernel | None = None
+        # bf16 without bf16 instructions: the kernel that serves every step it supports.
         self.bf16_linear: BF16LinearKernel | None = None
-        self.f32_linear: F32LinearKernel | None = None
+        # A C kernel in front of the packed weights, for steps of at most so many rows.
+        self.small_steps: tuple[RowsLinearKernel, int] | None = None
         if dtype == torch.bfloat16:
             self.native_half = self.features.native_bf16
         else:
@@ -292,12 +294,20 @@ class CPUBackend:
             if dtype in PagedPrefillKernel.DTYPES:
                 self.prefill_kernel = load_paged_prefill()
             self.write_kernel = load_kv_write()
+            small: RowsLinearKernel | None = None
             if dtype == torch.bfloat16 and not self.native_half:
                 self.bf16_linear = load_bf16_linear(self.features.isa)
             elif dtype == torch.bfloat16 and self.features.bf16_dot:
-                self.bf16_linear = load_bf16_linear("avx512bf16")
-            if dtype == torch.float32 and self.features.isa in ("avx2", "avx512"):
-                self.f32_linear = load_f32_linear("avx2")
+                small, rows = load_bf16_linear("avx512bf16"), BF16_DOT_MAX_ROWS
+            elif dtype == torch.float32 and self.features.isa in ("avx2", "avx512"):
+                small = load_f32_linear("avx2")
+                rows = (
+                    F32_KERNEL_MAX_ROWS
+                    if self.features.isa == "avx2"
+                    else F32_KERNEL_MAX_ROWS_AVX512
+                )
+            if small is not None:
+                self.small_steps = small, rows
             self.argmax = load_argmax()
         self.paths: dict[str, str] = {}
 
@@ -306,7 +316,7 @@ class CPUBackend:
         kernels write through raw pointers, out of autograd's sight)."""
         if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.native_half):
             self._pack(model)
-        elif self.bf16_linear is not None and not self.native_half:
+        elif self.bf16_linear is not None:
             hook = BF16Linear(self.bf16_linear, BF16_KERNEL_MAX_ROWS)
             for module in model.modules():
                 if isinstance(module, Linear):
@@ -384,28 +394,18 @@ class CPUBackend:
             )
         else:
             model.logits_kernel = model.lm_head.kernel
-        small = self._small_steps_kernel()
-        if small is not None and self.paths["linear"].startswith("onednn"):
-            kernel, rows = small
+        if self.small_steps is not None and self.paths["linear"].startswith("onednn"):
+            kernel, rows = self.small_steps
             name = f"c-{kernel.NAME.removesuffix('_linear')}-{kernel.variant}<={rows}rows,"
             self.paths.update(linear=name + self.paths["linear"])
         self.paths.update(logits=self.paths["linear"])
 
-    def _small_steps_kernel(self) -> tuple[RowsLinearKernel, int] | None:
-        """The C kernel that serves the smallest steps in front of the packed weights, and up
-        to how many rows."""
-        if self.f32_linear is not None:
-            avx2 = self.features.isa == "avx2"
-            return self.f32_linear, F32_KERNEL_MAX_ROWS if avx2 else F32_KERNEL_MAX_ROWS_AVX512
-        if self.bf16_linear is not None and self.native_half:
-            return self.bf16_linear, BF16_DOT_MAX_ROWS
-        return None
-
     def _small_steps(self, rest: CPULinear) -> SmallStepsLinear | CPULinear:
         """``rest``, with the C kernel for small steps in front of it where this backend has
         one."""
-        small = self._small_steps_kernel()
-        return rest if small is None else SmallStepsLinear(small[0], small[1], rest)
+        if self.small_steps is None:
+            return rest
+        return SmallStepsLinear(*self.small_steps, rest)
 
 
 def _logits_weight(model: CausalLM) -> torch.Tensor:

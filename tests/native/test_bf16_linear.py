@@ -13,7 +13,7 @@ def runnable() -> list[Variant]:
     own = cpu_features()
     level = ISA_LEVELS.index(own.cpu_isa)
     out = [v for v in VARIANTS if v in ISA_LEVELS and ISA_LEVELS.index(v) <= level]
-    if own.cpu_isa == "avx512" and "avx512_bf16" in own.flags:
+    if own.bf16_dot:
         out.append("avx512bf16")
     return out
 
@@ -40,9 +40,9 @@ def error_bound_ratio(
 @pytest.mark.parametrize(
     "m,n,k",
     # Rows 1..5 cross every x-tile size and both paths of the AVX2 and AVX512-BF16 variants
-    # (1-3 or 1-4 rows stream the weight rows, more take tiles); outputs not a multiple of 4 and inputs not a multiple of 16
-    # (or of the 32 a streaming pass takes) exercise the tails; the largest run on several
-    # threads.
+    # (1-3 or 1-4 rows stream the weight rows, more take tiles); outputs not a multiple of 4
+    # and inputs not a multiple of 16 (or of the 32 a streaming pass takes) exercise the tails;
+    # the largest run on several threads.
     [
         (1, 7, 16),
         (2, 33, 40),
