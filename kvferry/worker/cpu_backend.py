@@ -291,7 +291,11 @@ class CPUBackend:
                 self.fused_ops = load_fused_ops()
             if dtype in PagedDecodeKernel.DTYPES:
                 self.decode_kernel = load_paged_decode()
-            if dtype in PagedPrefillKernel.DTYPES:
+            # With AMX, torch's flash SDPA takes bf16 products on tiles, several times the
+            # kernel's fp32 arithmetic even after a gather of the context.
+            if dtype in PagedPrefillKernel.DTYPES and not (
+                dtype == torch.bfloat16 and self.features.amx_bf16
+            ):
                 self.prefill_kernel = load_paged_prefill()
             self.write_kernel = load_kv_write()
             small: RowsLinearKernel | None = None
@@ -348,7 +352,7 @@ class CPUBackend:
         self.paths.update(
             fused_ops="c" if self.fused_ops is not None else "torch",
             decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",
-            prefill_attention="c-paged" if self.prefill_kernel is not None else "torch",
+            prefill_attention="c-paged" if self.prefill_kernel is not None else "torch-sdpa",
             kv_write="c" if self.write_kernel is not None else "torch",
             argmax="c" if self.argmax is not None else "torch",
             mlp_chunk=f"{MLP_CHUNK_BYTES >> 20}MiB",

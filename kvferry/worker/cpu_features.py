@@ -63,6 +63,11 @@ class CPUFeatures:
         return self.isa == "avx512" and "avx512_bf16" in self.flags
 
     @property
+    def amx_bf16(self) -> bool:
+        """Whether AMX's bf16 tile products are there at the level used."""
+        return self.isa == "avx512" and {"amx_tile", "amx_bf16"} <= self.flags
+
+    @property
     def cpu_isa(self) -> ISA:
         """The CPU's own level, whatever the cap."""
         return _level(self.flags)
@@ -76,6 +81,7 @@ class CPUFeatures:
             "forced_isa": self.forced or "-",
             "native_bf16": self.native_bf16,
             "bf16_dot": self.bf16_dot,
+            "amx_bf16": self.amx_bf16,
         }
 
 

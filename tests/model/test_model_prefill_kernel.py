@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Literal
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.native.paged_decode import load_paged_decode
 from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
 from kvferry.worker.cpu_backend import DECODE_GATHER_BYTES, CPUBackend
+from kvferry.worker.cpu_features import CPUFeatures
 from tests.model.test_model_attention import MIXED, Scenario
 
 pytestmark = pytest.mark.skipif(
@@ -70,7 +72,26 @@ def test_unsupported_head_dim_falls_back() -> None:
     torch.testing.assert_close(out.double(), s.expected(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_backend_offers_the_kernel(dtype: torch.dtype) -> None:
-    assert CPUBackend(dtype).attention_workspace().prefill_kernel is not None
-    assert CPUBackend(dtype, native_kernels=False).attention_workspace().prefill_kernel is None
+_AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
+_AMX = _AVX512 | {"amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "flags", "isa", "offered"),
+    [
+        (torch.float32, _AVX512, "avx512", True),
+        (torch.bfloat16, _AVX512, "avx512", True),
+        (torch.float32, _AMX, "avx512", True),
+        # AMX: torch's SDPA takes bf16 prefills, on tiles; capped below AVX-512, the kernel.
+        (torch.bfloat16, _AMX, "avx512", False),
+        (torch.bfloat16, _AMX, "avx2", True),
+    ],
+)
+def test_cpu_backend_offers_the_kernel(
+    dtype: torch.dtype, flags: frozenset[str], isa: Literal["avx2", "avx512"], offered: bool
+) -> None:
+    features = CPUFeatures("x", flags, isa, forced=None if isa == "avx512" else isa)
+    backend = CPUBackend(dtype, features=features)
+    assert (backend.attention_workspace().prefill_kernel is not None) == offered
+    off = CPUBackend(dtype, native_kernels=False, features=features)
+    assert off.attention_workspace().prefill_kernel is None

@@ -41,6 +41,14 @@ def test_bf16_dot_needs_avx512_level_and_avx512_bf16() -> None:
     assert not cf.CPUFeatures("x", flags - {"avx512_bf16"} | {"amx_bf16"}, "avx512").bf16_dot
 
 
+def test_amx_bf16_needs_avx512_level_and_both_tile_flags() -> None:
+    flags = frozenset({"avx2", "fma", "avx512f", "avx512bw", "amx_tile", "amx_bf16"})
+    assert cf.CPUFeatures("x", flags, "avx512").amx_bf16
+    assert not cf.CPUFeatures("x", flags, "avx2", forced="avx2").amx_bf16
+    assert not cf.CPUFeatures("x", flags - {"amx_tile"}, "avx512").amx_bf16
+    assert not cf.CPUFeatures("x", flags - {"amx_bf16"} | {"avx512_bf16"}, "avx512").amx_bf16
+
+
 def test_cap_lowers_and_never_raises_the_level() -> None:
     own = cf.detect()
     assert own.isa == own.cpu_isa and own.forced is None

@@ -1,6 +1,7 @@
 """Every CPU path a model can take gives the same greedy tokens.
 
-bf16: oneDNN-packed bf16 weights and torch's bf16 product (native bf16 CPUs), the C kernel's
+bf16: oneDNN-packed bf16 weights and torch's bf16 product (native bf16 CPUs; with AMX also
+torch's SDPA for prefills in place of the paged C kernel), the C kernel's
 AVX2 and portable variants (forced with KVFERRY_CPU_ISA), the C kernel with widening for large
 steps, and widening alone (the kernel unbuildable). fp32: the small-step C kernel in front of
 oneDNN (the AVX2 level), oneDNN alone (AVX-512, or the kernel unbuildable) and oneDNN for small
@@ -100,10 +101,14 @@ def test_every_bf16_path_gives_the_same_tokens(
         runs[f"{isa}-{kernel}-{max_rows}"] = line
         assert_same_greedy(got, want, BF16_TIE, (isa, kernel, max_rows, line))
         assert "native_bf16=False" in line and f"isa={isa}" in line
+        assert "prefill_attention=c-paged" in line
         if kernel:
             assert f"linear=c-bf16-{isa}<={max_rows}rows" in line
         else:
             assert "linear=torch-bfloat16,widen" in line and "logits=fp32-copy" in line
+    # With AMX, torch's SDPA serves prefills (its bf16 tile products), the C kernel elsewhere.
+    prefill = "torch-sdpa" if own.amx_bf16 else "c-paged"
+    assert f"prefill_attention={prefill}" in runs["auto"]
     if own.native_bf16:  # the auto run took the packed bf16 weights
         assert "linear=onednn-bfloat16-packed" in runs["auto"] or (
             "linear=c-bf16-avx512bf16<=" in runs["auto"]

@@ -1,0 +1,31 @@
+"""The prefill attention benchmark runs end to end: the kernel, fp32 SDPA and SDPA on the
+fresh K/V in the model's dtype, one row per length, the kernel agreeing with SDPA."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from benchmarks import prefill_kernel
+from kvferry.native.paged_prefill import load_paged_prefill
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_row_per_length(
+    dtype: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if load_paged_prefill() is None:
+        pytest.skip("no C compiler, or native kernels off")
+    argv = ["prefill_kernel.py", "--lengths", "40", "100", "--reps", "1", "--dtype", dtype]
+    monkeypatch.setattr(sys, "argv", argv + ["--heads", "4", "--kv-heads", "2"])
+    prefill_kernel.main()
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["tokens"])
+    rows = [line.split() for line in lines[header + 1 :]]
+    assert [r[0] for r in rows] == ["40", "100"]
+    for r in rows:
+        # Times print to 0.1 ms, which these sizes may round down to 0.
+        assert len(r) == 8 and all(math.isfinite(float(x)) and float(x) >= 0 for x in r[1:7])
+        assert float(r[7]) < (1e-4 if dtype == "float32" else 3e-2)  # max error vs fp32 SDPA
