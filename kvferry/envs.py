@@ -57,10 +57,12 @@ def kv_cache_layout() -> str | None:
     return os.environ.get("KVFERRY_KV_CACHE_LAYOUT") or None
 
 
-def kv_pool_prefault() -> bool:
-    """KVFERRY_KV_POOL_PREFAULT=1: a CPU engine writes its whole KV pool at start-up, so the
-    memory is resident before the first request (default: pages are taken on first use)."""
-    return _flag("KVFERRY_KV_POOL_PREFAULT")
+def kv_pool_prefault() -> bool | None:
+    """KVFERRY_KV_POOL_PREFAULT: ``1`` makes every CPU engine write its whole KV pool at
+    start-up, ``0`` take pages as blocks are first used, whatever the engine's config says;
+    unset (None): the config (``CacheConfig.kv_pool_prefault``) decides."""
+    value = os.environ.get("KVFERRY_KV_POOL_PREFAULT", "").strip()
+    return None if not value else _flag("KVFERRY_KV_POOL_PREFAULT")
 
 
 def kv_secret() -> str | None:

@@ -26,10 +26,9 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     # "kvferry" (canonical SHA-256, see core.block_hash) or one of vLLM's algorithms.
     prefix_caching_hash_algo: str = "kvferry"
-    # A CPU pool's pages taken at start-up (True) or on each block's first use (False; the
-    # default, which KVFERRY_KV_POOL_PREFAULT=1 turns on). `kvferry serve` takes them at
-    # start-up, as vLLM does.
-    kv_pool_prefault: bool = False
+    # A CPU pool's pages taken at start-up (True, the default, as vLLM zero-fills its pool) or
+    # on each block's first use (False). KVFERRY_KV_POOL_PREFAULT=1/0, when set, decides.
+    kv_pool_prefault: bool = True
 
     def __post_init__(self) -> None:
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:

@@ -73,10 +73,10 @@ class EngineArgs:
         ),
     )
     kv_pool_prefault: bool = field(
-        default=False,
+        default=True,
         metadata=_help(
-            "take every page of a CPU KV pool at start-up, not on each block's first use"
-            " (default: on for serve, off offline; KVFERRY_KV_POOL_PREFAULT=1 turns it on)"
+            "take every page of a CPU KV pool at start-up (the default), not on each block's"
+            " first use (KVFERRY_KV_POOL_PREFAULT=1/0, when set, decides)"
         ),
     )
     max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget per step"))

@@ -230,9 +230,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     EngineArgs.add_cli_args(p, positional_model=True)
-    # A server's pool is resident before the first request, as vLLM's is (--no-kv-pool-prefault
-    # keeps the offline default).
-    p.set_defaults(kv_pool_prefault=True)
     _add_http_args(p, 8000)
     p.add_argument(
         "--api-key",

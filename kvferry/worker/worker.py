@@ -53,11 +53,11 @@ def zeroed_kv_tensor(
     garbage).
 
     On CPU the tensor lives in its own anonymous memory map, which the OS hands out zeroed,
-    page by page on first write: start-up does not pay for zeroing a pool sized for the whole
-    run up front, each block's pages are paid for when the block is first used,
-    and RSS grows with the blocks in use. ``prefault`` (``CacheConfig.kv_pool_prefault``) takes
-    every page at start-up instead, so that no request pays for them: a server's first
-    requests would otherwise each take a fresh block's faults in their time to first token.
+    page by page on first write. ``prefault`` (``CacheConfig.kv_pool_prefault``, the engines'
+    default) takes every page at start-up, so that no step pays for them: a block's first use
+    would otherwise add its page faults to the forward that writes it (a request's time to
+    first token online, a whole run's share offline; they are slow in VMs). Without it
+    start-up skips zeroing a pool sized for the whole run and RSS grows with the blocks in use.
     Transparent huge pages are not requested: attention reads scattered blocks slightly
     faster from them, but a huge-page fault may stall on memory compaction for a long time.
     """
@@ -115,7 +115,8 @@ class Worker:
         # Every rank's pool has the same number of blocks: the scheduler hands out one id space.
         num_blocks = all_reduce_min(self._num_blocks(groups))
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, groups=groups, layout=layout)
-        prefault = config.cache_config.kv_pool_prefault or envs.kv_pool_prefault()
+        forced = envs.kv_pool_prefault()
+        prefault = config.cache_config.kv_pool_prefault if forced is None else forced
         self.kv_caches = allocate_kv_caches(
             self.kv_cache_config,
             self.device,

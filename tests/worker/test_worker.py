@@ -54,22 +54,24 @@ def test_prefault_makes_the_pool_resident_at_start(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize(
     "argv,env,want",
     [
-        (["generate", "--model", "m"], None, False),
-        (["generate", "--model", "m", "--kv-pool-prefault"], None, True),
-        (["generate", "--model", "m"], "1", True),
+        (["generate", "--model", "m"], None, True),
+        (["generate", "--model", "m", "--no-kv-pool-prefault"], None, False),
+        (["generate", "--model", "m"], "0", False),
+        (["generate", "--model", "m", "--no-kv-pool-prefault"], "1", True),
         (["serve", "m"], None, True),
         (["serve", "m", "--no-kv-pool-prefault"], None, False),
+        (["serve", "m"], "", True),
     ],
 )
-def test_the_pool_is_prefaulted_where_a_server_or_the_user_asks(
+def test_the_pool_is_prefaulted_unless_the_user_says_not(
     monkeypatch: pytest.MonkeyPatch,
     tiny_model_factory: Callable[..., Path],
     argv: list[str],
     env: str | None,
     want: bool,
 ) -> None:
-    """A server takes its pool's pages at start-up, as vLLM does; offline engines take them as
-    blocks are first used unless asked; the env var turns it on for every engine."""
+    """Every engine takes its pool's pages at start-up, as vLLM does, unless the flag says
+    not to; the env var, when set to a value, decides for every engine."""
     from kvferry.engine.arg_utils import EngineArgs
     from kvferry.entrypoints.cli import build_parser
     from kvferry.worker import worker
