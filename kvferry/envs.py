@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import os
 
+_TRUE = ("1", "true", "yes", "on")
+
 
 def _flag(name: str, default: bool = False) -> bool:
     value = os.environ.get(name, "1" if default else "")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    return value.strip().lower() in _TRUE
+
+
+def _optional_flag(name: str) -> bool | None:
+    """The variable read as a flag; None where it is unset or empty."""
+    value = os.environ.get(name, "").strip().lower()
+    return None if not value else value in _TRUE
 
 
 def log_level() -> str:
@@ -61,8 +69,7 @@ def kv_pool_prefault() -> bool | None:
     """KVFERRY_KV_POOL_PREFAULT: ``1`` makes every CPU engine write its whole KV pool at
     start-up, ``0`` take pages as blocks are first used, whatever the engine's config says;
     unset (None): the config (``CacheConfig.kv_pool_prefault``) decides."""
-    value = os.environ.get("KVFERRY_KV_POOL_PREFAULT", "").strip()
-    return None if not value else _flag("KVFERRY_KV_POOL_PREFAULT")
+    return _optional_flag("KVFERRY_KV_POOL_PREFAULT")
 
 
 def kv_secret() -> str | None:
