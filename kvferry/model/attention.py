@@ -10,6 +10,8 @@ that the runner's workspace may offer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,15 @@ from kvferry.kv_layout import KVCacheLayout, layout_of
 from kvferry.model.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
 from kvferry.model.attention_workspace import AttentionWorkspace, GatherBuffers
 from kvferry.model.forward_context import get_forward_context
+
+# From this many tokens (context and chunk), a chunk with context attends in two parts merged
+# by log-sum-exp (Attention._context_then_own) rather than one masked SDPA over the sequence;
+# in shorter ones the merge and the copy of the chunk's keys per query head cost more than
+# the skipped upper triangle saves (docs/benchmarks.md, "Measured facts").
+SPLIT_CONTEXT_MIN_SEQ = 2560
+
+# torch's CPU flash attention with its log-sum-exp (a private op: None where a build lacks it).
+_FLASH_LSE: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _gather_blocks(
@@ -224,7 +235,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """One request's chunk; its K/V are already in ``kv_cache``. A prefill kernel reads
         the whole sequence from the pool in place; otherwise a fresh sequence attends to its
-        own ``k``/``v`` and a chunk with context gathers its blocks and masks."""
+        own ``k``/``v`` and a chunk with context gathers its blocks and masks (from
+        :data:`SPLIT_CONTEXT_MIN_SEQ` tokens on a CPU: :meth:`_context_then_own`)."""
         qs = q[p.token_start : p.token_stop]
         kernel = ws.prefill_kernel
         window = self.sliding_window
@@ -235,6 +247,13 @@ class Attention(nn.Module):
                 qs, k[p.token_start : p.token_stop], v[p.token_start : p.token_stop]
             )
         kv = _gather_blocks(kv_cache, p.block_ids, ws.buffers)[:, : p.seq_len].transpose(1, 2)
+        if (
+            p.seq_len >= SPLIT_CONTEXT_MIN_SEQ
+            and q.is_cpu
+            and _FLASH_LSE
+            and not p.needs_window(window)
+        ):
+            return self._context_then_own(qs, kv[:, :, : p.context_len], kv[:, :, p.context_len :])
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0),
             kv[0].unsqueeze(0),
@@ -244,6 +263,33 @@ class Attention(nn.Module):
             enable_gqa=self.group > 1,
         )
         return o.squeeze(0).transpose(0, 1)
+
+    def _context_then_own(
+        self, q: torch.Tensor, ctx: torch.Tensor, own: torch.Tensor
+    ) -> torch.Tensor:
+        """A chunk with context as two attentions merged by their log-sum-exps: the whole
+        context, which every query sees (no mask; the query heads that share a KV head stacked
+        along the query axis, so each KV head is read once for all of them), and the chunk's
+        own keys, causal (the upper triangle skipped). ``q`` ``[T, heads, d]``; ``ctx``, ``own``
+        ``[2, kv_heads, tokens, d]``. The masked SDPA over the whole sequence computes the
+        upper triangle and reads each KV head once per query head."""
+        n, heads, d = q.shape
+        kv_heads, group = self.num_kv_heads, self.group
+        qh = q.transpose(0, 1).contiguous()  # [heads, T, d]: the groups' rows stacked
+        o1, l1 = _FLASH_LSE(
+            qh.view(1, kv_heads, group * n, d), ctx[0:1], ctx[1:2], scale=self.scale
+        )
+        own_k, own_v = own[0].unsqueeze(0), own[1].unsqueeze(0)
+        if group > 1:
+            own_k = own_k.repeat_interleave(group, dim=1)
+            own_v = own_v.repeat_interleave(group, dim=1)
+        o2, l2 = _FLASH_LSE(qh.unsqueeze(0), own_k, own_v, is_causal=True, scale=self.scale)
+        l1, l2 = l1.reshape(heads, n, 1), l2.reshape(heads, n, 1)
+        top = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+        o = o1.reshape(heads, n, d).float() * w1
+        o.addcmul_(o2.reshape(heads, n, d).float(), w2).div_(w1 + w2)
+        return o.to(q.dtype).transpose(0, 1)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Self-attention of one fresh sequence: ``[T, heads, d]`` in, ``[T, heads, d]`` out."""

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvferry.model import attention as attention_module
 from kvferry.model.attention import Attention
 from kvferry.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from kvferry.model.attention_workspace import AttentionWorkspace
@@ -158,6 +159,42 @@ def test_single_plan_batches(steps: list[tuple[int, int]], decode_kernel: Any) -
     s = Scenario(4, 2, 16, 16, steps, seed=len(steps))
     out = s.run(kernel=decode_kernel)
     torch.testing.assert_close(out.double(), s.expected(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,steps",
+    [
+        (8, 2, [(2400, 300)]),  # a long chunk with context, alone in the step
+        (4, 4, [(2000, 600), (30, 1), (0, 9)]),  # with a decode and a short prefill
+        (8, 1, [(3000, 17), (2000, 100)]),  # two of them, one KV head for all query heads
+    ],
+)
+def test_long_context_chunks_attend_in_two_merged_parts(
+    heads: int,
+    kv_heads: int,
+    steps: list[tuple[int, int]],
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From SPLIT_CONTEXT_MIN_SEQ tokens a chunk with context attends to its context and to
+    its own keys separately, merged by log-sum-exp; the result is the causal attention over the
+    whole sequence. Shorter chunks keep the one masked SDPA."""
+    assert attention_module.SPLIT_CONTEXT_MIN_SEQ <= 2700
+    calls: list[int] = []
+    split = Attention._context_then_own
+
+    def counting(self: Attention, q: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return split(self, q, *rest)
+
+    monkeypatch.setattr(Attention, "_context_then_own", counting)
+    s = Scenario(heads, kv_heads, 32, 16, steps, dtype=dtype, seed=heads + len(steps))
+    out = s.run()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), s.expected(), atol=tol, rtol=tol)
+    long = [n for c, n in steps if c > 0 and c + n >= attention_module.SPLIT_CONTEXT_MIN_SEQ]
+    assert calls == long
 
 
 def test_bf16_close_to_reference(decode_kernel: Any) -> None:
