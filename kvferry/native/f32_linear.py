@@ -9,7 +9,7 @@ import torch
 
 from kvferry.native.rows_linear import RowsLinearKernel, load_rows_kernel
 
-Variant = Literal["scalar", "avx2"]
+Variant = Literal["scalar", "avx2", "avx512"]
 
 
 class F32LinearKernel(RowsLinearKernel):

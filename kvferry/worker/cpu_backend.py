@@ -15,7 +15,7 @@ Which path serves what (all on CPU):
   takes generic kernels); below AVX2 it serves small steps (decode) and MKL the rest. At the
   AVX2 level, steps of at most :data:`F32_KERNEL_MAX_ROWS` rows (decode, the logits) run a C
   kernel on the dense weight instead, which beats oneDNN there; at the AVX-512 level, steps of
-  at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows. Where torch has no oneDNN the
+  at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows run its AVX-512 variant. Where torch has no oneDNN the
   weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
   elementwise steps.
 * bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
@@ -86,9 +86,10 @@ BF16_KERNEL_MAX_ROWS = 128
 # oneDNN's small steps neither stream the weight at the memory rate nor compute at the GEMM
 # rate; the two cross near 40 rows on the benchmark models' shapes.
 F32_KERNEL_MAX_ROWS = 32
-# At the AVX-512 level oneDNN's small steps come closer to the memory rate, and the fp32
-# kernel (its AVX2 variant) leads only while a step streams each weight once: 1-4 rows.
-F32_KERNEL_MAX_ROWS_AVX512 = 4
+# At the AVX-512 level the kernel's AVX-512 variant streams each weight once for up to 8 rows
+# (tiles 8 rows deep) and still leads oneDNN's packed GEMM at 16 (Intel Xeon with AMX; level
+# at 32).
+F32_KERNEL_MAX_ROWS_AVX512 = 16
 # Up to this many rows the bf16 C kernel's dot-product variant beats oneDNN's packed bf16 GEMM
 # on a CPU with AVX512_BF16: a one-row step streams the weight once at the memory rate, where
 # oneDNN's small-step GEMM (AMX or not) stays below it; from two rows on they are level.
@@ -303,13 +304,10 @@ class CPUBackend:
                 self.bf16_linear = load_bf16_linear(self.features.isa)
             elif dtype == torch.bfloat16 and self.features.bf16_dot:
                 small, rows = load_bf16_linear("avx512bf16"), BF16_DOT_MAX_ROWS
-            elif dtype == torch.float32 and self.features.isa in ("avx2", "avx512"):
-                small = load_f32_linear("avx2")
-                rows = (
-                    F32_KERNEL_MAX_ROWS
-                    if self.features.isa == "avx2"
-                    else F32_KERNEL_MAX_ROWS_AVX512
-                )
+            elif dtype == torch.float32 and self.features.isa == "avx2":
+                small, rows = load_f32_linear("avx2"), F32_KERNEL_MAX_ROWS
+            elif dtype == torch.float32 and self.features.isa == "avx512":
+                small, rows = load_f32_linear("avx512"), F32_KERNEL_MAX_ROWS_AVX512
             if small is not None:
                 self.small_steps = small, rows
             self.argmax = load_argmax()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kvferry.native.f32_linear import F32LinearKernel, Variant, load_f32_linear
 from kvferry.worker.cpu_features import ISA_LEVELS, cpu_features
 
-VARIANTS: list[Variant] = ["scalar", "avx2"]
+VARIANTS: list[Variant] = ["scalar", "avx2", "avx512"]
 
 
 def runnable() -> list[Variant]:
@@ -27,10 +27,22 @@ def kernel_or_skip(variant: Variant) -> F32LinearKernel:
 @pytest.mark.parametrize("variant", runnable())
 @pytest.mark.parametrize(
     "m,n,k",
-    # Rows 1..5 cross every x-tile size; outputs not a multiple of 3 and inputs not a
-    # multiple of 8 exercise the tails; 16 x 1030 x 1024 runs on several threads and crosses
-    # panels.
-    [(1, 7, 16), (2, 34, 40), (3, 5, 23), (4, 64, 128), (5, 9, 1), (16, 1030, 1024)],
+    # Rows 1..13 cross every x-tile size of both vector variants (4 and 8 rows deep);
+    # outputs not a multiple of 3 and inputs not a multiple of 8 or 16 exercise the tails;
+    # 16 x 1030 x 1024 runs on several threads and crosses panels.
+    [
+        (1, 7, 16),
+        (2, 34, 40),
+        (3, 5, 23),
+        (4, 64, 128),
+        (5, 9, 1),
+        (6, 11, 50),
+        (7, 10, 33),
+        (8, 49, 64),
+        (9, 37, 100),
+        (13, 20, 48),
+        (16, 1030, 1024),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(variant: Variant, m: int, n: int, k: int, bias: bool) -> None:
@@ -69,4 +81,4 @@ def test_supports_only_fp32_rows_with_contiguous_elements() -> None:
 
 
 def test_a_variant_outside_the_build_is_refused() -> None:
-    assert load_f32_linear("avx512") is None  # type: ignore[arg-type]
+    assert load_f32_linear("avx512bf16") is None  # type: ignore[arg-type]

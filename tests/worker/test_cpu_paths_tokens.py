@@ -149,7 +149,7 @@ def test_every_fp32_path_gives_the_same_tokens(
         ("scalar", True, f"onednn-float32-packed<={cpu_backend.PACKED_MAX_ROWS}rows,torch"),
     ]
     if own.cpu_isa == "avx512":
-        wide = f"c-f32-avx2<={cpu_backend.F32_KERNEL_MAX_ROWS_AVX512}rows,"
+        wide = f"c-f32-avx512<={cpu_backend.F32_KERNEL_MAX_ROWS_AVX512}rows,"
         cases.append(("avx512", True, wide + "onednn-float32-packedall-rows"))
         cases.append(("avx512", False, "onednn-float32-packedall-rows"))
     for isa, kernel, path in cases:
