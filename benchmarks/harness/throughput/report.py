@@ -58,8 +58,8 @@ FIXED_NOTES = [
     "untimed one (other token ids, same lengths), which also pays one-off kernel set-up. startup = process launch until the "
     "backend is loaded and has served a 1-request warm-up (model files and the backend's "
     "torch read into the page cache just before each launch). peak RSS = whole process tree "
-    "(vLLM's KV-cache pool is resident from start-up; kvferry's pool pages are zeroed by "
-    "the OS as its blocks are first used).",
+    "(both engines' KV-cache pools are resident from start-up: vLLM zero-fills its pool, "
+    "kvferry prefaults its own unless run with --no-kv-pool-prefault).",
     "floor = linear-layer FLOPs (decoder layers for prompt+output tokens, lm_head for "
     "output tokens) / best measured GEMM rate (for bf16 rows the better of bf16 and "
     "fp32 GEMMs: without native bf16 an engine can upcast); ceiling = output tokens / "
