@@ -72,11 +72,13 @@ static inline float rd_f32(float x) { return x; }
         for (int64_t i = 0; i < dim; i++) o[i] = ST(LD(weight[i]) * RD(LD(h[i]) * inv));     \
     }
 
-/* One head rotated: dst = rotate(src) by the half-width rows c and s; dst may be src. */
+/* One head rotated: dst = rotate(src) by the half-width rows c and s, from pair `from` on
+ * (0: the whole head; more: a vector loop's tail); dst may be src. */
 #define DEFINE_ROTATE_HEAD(NAME, T, LD, ST, RD)                                              \
-    static inline void NAME(const T *src, T *dst, const T *c, const T *s, int64_t half) {   \
+    static inline void NAME(const T *src, T *dst, const T *c, const T *s, int64_t half,      \
+                            int64_t from) {                                                  \
         _Pragma("omp simd")                                                                  \
-        for (int64_t i = 0; i < half; i++) {                                                 \
+        for (int64_t i = from; i < half; i++) {                                              \
             float x1 = LD(src[i]), x2 = LD(src[half + i]), ci = LD(c[i]), si = LD(s[i]);     \
             dst[i] = ST(RD(x1 * ci) - RD(x2 * si));                                          \
             dst[half + i] = ST(RD(x2 * ci) + RD(x1 * si));                                   \
@@ -108,7 +110,7 @@ static inline float rd_f32(float x) { return x; }
         for (int64_t r = 0; r < rows; r++) {                                                 \
             for (int64_t h = 0; h < heads; h++) {                                            \
                 T *a = x + r * row_stride + h * head_dim;                                    \
-                ROTATE(a, a, cos_rows + r * half, sin_rows + r * half, half);                \
+                ROTATE(a, a, cos_rows + r * half, sin_rows + r * half, half, 0);             \
             }                                                                                \
         }                                                                                    \
     }
@@ -129,7 +131,7 @@ static inline float rd_f32(float x) { return x; }
             T normed[MAX_HEAD_DIM];                                                          \
             T *a = x + r * row_stride + h * head_dim;                                        \
             GROUP(0, a, h < q_heads ? q_weight : k_weight, normed, head_dim, eps);           \
-            ROTATE(normed, a, cos_rows + r * half, sin_rows + r * half, half);               \
+            ROTATE(normed, a, cos_rows + r * half, sin_rows + r * half, half, 0);            \
         }                                                                                    \
     }
 
@@ -167,16 +169,15 @@ DEFINE_SILU_ROW(silu_mul_row_bf16_scalar, bf16_t, ld_bf16, st_bf16, rd_bf16)
  * denormals as zero, which torch does not: a bf16 step apart at worst, below 1e-38). The
  * exponential is a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^k (relative error
  * under 3e-7), the reciprocal rcp14 with one Newton step. Tails take the scalar loops. */
-static inline __m512 v_ld(const bf16_t *p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+static inline __m512 v_widen(__m256i b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 static inline __m256i v_narrow(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-static inline void v_st(bf16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, v_narrow(x)); }
-static inline __m512 v_rd(__m512 x) {
-    __m512i w = _mm512_cvtepu16_epi32(v_narrow(x));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+static inline __m512 v_ld(const bf16_t *p) {
+    return v_widen(_mm256_loadu_si256((const __m256i *)p));
 }
+static inline void v_st(bf16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, v_narrow(x)); }
+static inline __m512 v_rd(__m512 x) { return v_widen(v_narrow(x)); }
 static inline __m512 v_exp(__m512 x) {
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
     __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -206,8 +207,9 @@ static inline void norm_group_bf16(const bf16_t *x, bf16_t *h, const bf16_t *wei
     for (int64_t i = 0; i < vec; i += 16) {
         __m512 v = v_ld(h + i);
         if (x != 0) {
-            v = v_rd(_mm512_add_ps(v, v_ld(x + i)));
-            v_st(h + i, v);
+            const __m256i sum = v_narrow(_mm512_add_ps(v, v_ld(x + i)));
+            _mm256_storeu_si256((__m256i *)(h + i), sum);
+            v = v_widen(sum);
         }
         acc = _mm512_fmadd_ps(v, v, acc);
     }
@@ -226,25 +228,16 @@ static inline void norm_group_bf16(const bf16_t *x, bf16_t *h, const bf16_t *wei
 }
 
 static inline void rotate_head_bf16(const bf16_t *src, bf16_t *dst, const bf16_t *c,
-                                    const bf16_t *s, int64_t half) {
-    const int64_t vec = half & ~(int64_t)15;
-    for (int64_t i = 0; i < vec; i += 16) {
+                                    const bf16_t *s, int64_t half, int64_t from) {
+    int64_t i = from;
+    for (; i + 16 <= half; i += 16) {
         __m512 x1 = v_ld(src + i), x2 = v_ld(src + half + i), ci = v_ld(c + i), si = v_ld(s + i);
         __m512 a = _mm512_sub_ps(v_rd(_mm512_mul_ps(x1, ci)), v_rd(_mm512_mul_ps(x2, si)));
         __m512 b = _mm512_add_ps(v_rd(_mm512_mul_ps(x2, ci)), v_rd(_mm512_mul_ps(x1, si)));
         v_st(dst + i, a);
         v_st(dst + half + i, b);
     }
-    if (vec < half) {
-        /* the scalar loop on the tail: its halves are offset by `half`, not by the tail's
-         * length, so rotate element by element */
-        for (int64_t i = vec; i < half; i++) {
-            float x1 = bf16_to_f32(src[i]), x2 = bf16_to_f32(src[half + i]);
-            float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
-            dst[i] = f32_to_bf16(round_bf16(x1 * ci) - round_bf16(x2 * si));
-            dst[half + i] = f32_to_bf16(round_bf16(x2 * ci) + round_bf16(x1 * si));
-        }
-    }
+    rotate_head_bf16_scalar(src, dst, c, s, half, i);
 }
 
 static inline void silu_mul_row_bf16(const bf16_t *g, const bf16_t *u, bf16_t *o, int64_t dim) {
