@@ -7,7 +7,7 @@ The paths a bf16 model's linear layers can take on a CPU (``kvferry.worker.cpu_b
     packed     oneDNN-packed bf16 weights (torch.ops.mkldnn._reorder_linear_weight)
     widen      the weight widened to fp32 for the call, then an fp32 GEMM
     c-<isa>    the C kernel that reads bf16 weights as they are (csrc/bf16_linear.c), in each
-               variant this CPU runs (avx512bf16, avx512, avx2, scalar)
+               variant this CPU runs (amx, avx512bf16, avx512, avx2, scalar)
 
 Shapes: ``mid`` (hidden 1024, intermediate 2048, 16/4 heads of 64, vocab 32000) and
 ``qwen3-0.6b`` (hidden 1024, intermediate 3072, q 2048 / kv 1024, vocab 151936). Paths are
@@ -78,6 +78,8 @@ def main() -> None:
     runnable = [f"c-{v}" for v in levels if ISA_LEVELS.index(v) <= own]
     if features.bf16_dot:
         runnable.insert(0, "c-avx512bf16")
+    if features.bf16_dot and features.amx_bf16:
+        runnable.insert(0, "c-amx")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="mid")
     ap.add_argument("--rows", default="1,4,16,64")

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import Literal, get_args
 
 import torch
 
 from kvferry.native.rows_linear import VARIANT_CODES, RowsLinearKernel, load_rows_kernel
 
-Variant = Literal["scalar", "avx2", "avx512", "avx512bf16"]
+Variant = Literal["scalar", "avx2", "avx512", "avx512bf16", "amx"]
 # The kernel's variant numbers (KVF_* in the C source).
 VARIANTS: dict[Variant, int] = {v: VARIANT_CODES[v] for v in get_args(Variant)}
 
@@ -20,6 +21,12 @@ class BF16LinearKernel(RowsLinearKernel):
 
     NAME = "bf16_linear"
     DTYPE = torch.bfloat16
+
+    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+        super().__init__(lib, variant)
+        # AMX runs only once Linux has granted this process the tile state.
+        if variant == "amx" and lib.kvf_bf16_linear_amx_ready() != 0:
+            raise ValueError("the AMX tile state is not available to this process")
 
 
 def load_bf16_linear(variant: Variant) -> BF16LinearKernel | None:

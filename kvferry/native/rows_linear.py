@@ -11,8 +11,9 @@ import torch
 
 from kvferry.native.build import load_library
 
-# Variant numbers shared by the C sources (KVF_SCALAR, KVF_AVX2, KVF_AVX512, KVF_AVX512BF16).
-VARIANT_CODES: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
+# Variant numbers shared by the C sources (KVF_SCALAR, KVF_AVX2, KVF_AVX512, KVF_AVX512BF16,
+# KVF_AMX).
+VARIANT_CODES: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
 
 
 class RowsLinearKernel:

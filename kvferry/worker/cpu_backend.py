@@ -19,8 +19,10 @@ Which path serves what (all on CPU):
   weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
   elementwise steps.
 * bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
-  weight, for every step but those of at most :data:`BF16_DOT_MAX_ROWS` rows (a lone decode),
-  which the C kernel's AVX512-BF16 variant computes on the dense bf16 weight.
+  weight for the larger steps. With AMX, steps of at most :data:`BF16_AMX_MAX_ROWS` rows
+  (decode, the logits) run the C kernel's AMX variant on the dense bf16 weight; with
+  AVX512_BF16 but no AMX, steps of at most :data:`BF16_DOT_MAX_ROWS` rows (a lone decode) run
+  its AVX512-BF16 variant.
 * bf16 without them (e.g. AVX2 only, or ``KVFERRY_CPU_ISA=avx2``): steps of at most
   :data:`BF16_KERNEL_MAX_ROWS` rows, the logits included, run the C kernel that reads the bf16
   weights as they are and widens them in registers (the variant of the CPU's level); larger
@@ -90,6 +92,10 @@ F32_KERNEL_MAX_ROWS = 32
 # (tiles 8 rows deep) and still leads oneDNN's packed GEMM at 16 (Intel Xeon with AMX; level
 # at 32).
 F32_KERNEL_MAX_ROWS_AVX512 = 16
+# Up to this many rows the bf16 C kernel's AMX variant beats oneDNN's packed bf16 GEMM (on AMX
+# as well): it reads each dense weight once, in place, near the memory rate, where oneDNN's
+# small steps stay well below it; oneDNN leads at 128 (Intel Xeon with AMX, docs/benchmarks.md).
+BF16_AMX_MAX_ROWS = 64
 # Up to this many rows the bf16 C kernel's dot-product variant beats oneDNN's packed bf16 GEMM
 # on a CPU with AVX512_BF16: a one-row step streams the weight once at the memory rate, where
 # oneDNN's small-step GEMM (AMX or not) stays below it; from two rows on they are level.
@@ -300,8 +306,13 @@ class CPUBackend:
                 self.prefill_kernel = load_paged_prefill()
             self.write_kernel = load_kv_write()
             small: RowsLinearKernel | None = None
+            amx = None
+            if dtype == torch.bfloat16 and self.features.amx_bf16 and self.features.bf16_dot:
+                amx = load_bf16_linear("amx")
             if dtype == torch.bfloat16 and not self.native_half:
                 self.bf16_linear = load_bf16_linear(self.features.isa)
+            elif dtype == torch.bfloat16 and amx is not None:
+                small, rows = amx, BF16_AMX_MAX_ROWS
             elif dtype == torch.bfloat16 and self.features.bf16_dot:
                 small, rows = load_bf16_linear("avx512bf16"), BF16_DOT_MAX_ROWS
             elif dtype == torch.float32 and self.features.isa == "avx2":

@@ -15,6 +15,8 @@ def runnable() -> list[Variant]:
     out = [v for v in VARIANTS if v in ISA_LEVELS and ISA_LEVELS.index(v) <= level]
     if own.bf16_dot:
         out.append("avx512bf16")
+    if own.bf16_dot and own.amx_bf16:
+        out.append("amx")
     return out
 
 
@@ -54,6 +56,13 @@ def error_bound_ratio(
         (64, 1030, 1024),
         (4, 37, 100),
         (7, 13, 70),
+        # AMX: 1-5 blocks of 16 rows (a partial one last), 16-output blocks with 0-15 outputs
+        # left over, inputs past the last 32 (none at all below 32).
+        (17, 48, 96),
+        (33, 50, 200),
+        (64, 64, 64),
+        (70, 35, 1056),
+        (20, 32, 16),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])

@@ -110,18 +110,41 @@ def test_every_bf16_path_gives_the_same_tokens(
     prefill = "torch-sdpa" if own.amx_bf16 else "c-paged"
     assert f"prefill_attention={prefill}" in runs["auto"]
     if own.native_bf16:  # the auto run took the packed bf16 weights
-        assert "linear=onednn-bfloat16-packed" in runs["auto"] or (
-            "linear=c-bf16-avx512bf16<=" in runs["auto"]
+        assert any(
+            f"linear={p}" in runs["auto"]
+            for p in ("onednn-bfloat16-packed", "c-bf16-avx512bf16<=", "c-bf16-amx<=")
         )
+    if own.amx_bf16 and own.bf16_dot:
+        # The AMX kernel in front of the packed weights: as chosen, for every step up to 2,048
+        # rows (prefill included), and not at all (the dot-product kernel takes one-row steps).
+        assert f"linear=c-bf16-amx<={cpu_backend.BF16_AMX_MAX_ROWS}rows," in runs["auto"]
+        monkeypatch.delenv("KVFERRY_CPU_ISA")
+        cf.cpu_features.cache_clear()
+        for amx_rows, kernel in [(cpu_backend.BF16_AMX_MAX_ROWS, True), (2048, True), (0, False)]:
+            monkeypatch.setattr(cpu_backend, "BF16_AMX_MAX_ROWS", amx_rows)
+            monkeypatch.setattr(
+                cpu_backend,
+                "load_bf16_linear",
+                lambda variant, ok=kernel: real_loader(variant) if ok or variant != "amx" else None,
+            )
+            got, line = generate(folder, caplog)
+            assert_same_greedy(got, want, BF16_TIE, ("amx", amx_rows, kernel, line))
+            first = f"c-bf16-amx<={amx_rows}rows" if kernel else "c-bf16-avx512bf16<=1rows"
+            assert f"linear={first},onednn-bfloat16-packedall-rows" in line
     if own.bf16_dot:
         # The dot-product kernel in front of the packed weights: for one-row steps (as
         # chosen), for every step up to 64 rows (prefill included), and not at all.
-        monkeypatch.delenv("KVFERRY_CPU_ISA")
+        monkeypatch.delenv("KVFERRY_CPU_ISA", raising=False)
         cf.cpu_features.cache_clear()
+        # The AMX kernel (where there is one) is left out, as on a CPU without AMX.
         for dot_rows, kernel in [(1, True), (64, True), (1, False)]:
             monkeypatch.setattr(cpu_backend, "BF16_DOT_MAX_ROWS", dot_rows)
             monkeypatch.setattr(
-                cpu_backend, "load_bf16_linear", real_loader if kernel else lambda variant: None
+                cpu_backend,
+                "load_bf16_linear",
+                lambda variant, ok=kernel: (
+                    real_loader(variant) if ok and variant != "amx" else None
+                ),
             )
             got, line = generate(folder, caplog)
             assert_same_greedy(got, want, BF16_TIE, ("dot", dot_rows, kernel, line))

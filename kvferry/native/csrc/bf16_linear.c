@@ -12,19 +12,22 @@
  * each weight row once with a software prefetch ahead, more rows use register tiles.
  * AVX512-BF16 (CPUs with bf16 dot-product instructions): x stays bf16 and each instruction
  * sums 16 pairs of exact products into fp32 lanes, so nothing is widened at all; steps of
- * 1-4 rows stream each weight row once, more rows use 4 x 4 register tiles.
+ * 1-4 rows stream each weight row once, more rows use 4 x 4 register tiles. AMX (CPUs with
+ * bf16 tiles): the weight, in place, is the left operand of the tile products, x (laid out
+ * once per call) the right one, so each weight byte is read once for up to 64 rows.
  *
  * Layouts: x [M, K] and out [M, N] with row strides in elements, w [N, K] with a row stride;
  * the K elements of a row are contiguous. Products are exact in fp32; sums run in fp32 and
  * the result is rounded to bf16 to nearest even, as torch rounds.
  *
- * Variants: AVX512-BF16, AVX-512F and AVX2+FMA (x86-64, compiled through target attributes whatever
- * -march says, so one build serves both kinds of CPU and a caller may pick the smaller one),
- * and portable C. kvf_bf16_linear_variants() says which are in this build; the caller must
+ * Variants: AMX, AVX512-BF16, AVX-512F and AVX2+FMA (x86-64, compiled through target
+ * attributes whatever -march says, so one build serves both kinds of CPU and a caller may
+ * pick the smaller one), and portable C. kvf_bf16_linear_variants() says which are in this build; the caller must
  * only ask for one the CPU runs. A target attribute adds to -march=native, so on an AVX-512
  * CPU the AVX2 variant may still use AVX-512VL encodings; on an AVX2-only CPU it is pure
  * AVX2. Work is split over OpenMP threads by blocks of outputs.
  */
+#define _DEFAULT_SOURCE /* syscall(), for the AMX variant's request for the tile state */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +39,7 @@
 #define KVF_AVX2 1
 #define KVF_AVX512 2
 #define KVF_AVX512BF16 3
+#define KVF_AMX 4
 
 /* Weight rows per tile (their K elements stay in L1 while every x row passes over them) and
  * x rows per tile, per variant: as many accumulators as the vector registers hold. */
@@ -324,14 +328,158 @@ rows_avx512bf16(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
     FOR_PANEL_TILES(PANEL, BF_MT, TILEBF_COLS);
 }
 
-#define KVF_VARIANTS \
-    ((1 << KVF_SCALAR) | (1 << KVF_AVX2) | (1 << KVF_AVX512) | (1 << KVF_AVX512BF16))
+/* ---- AMX: tiles of 16 weight rows x 32 inputs against 16 x rows ----------------------- *
+ * The weight is the left operand, read in place: a tile is 16 weight rows' next 64 bytes.
+ * x is the right one, laid out once per call in the tiles' pair order (for each pair of
+ * inputs, the pair of every row of a block of 16 rows, zeros for rows past M). Each tile of
+ * products is then 16 outputs for each of 16 x rows, transposed into out by the epilogue. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define KVF_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TAMX_ATTR target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")
+#define TAMX __attribute__((TAMX_ATTR, always_inline)) static inline
+/* x blocks (16 rows each) one weight tile meets: as many accumulators as tiles are left
+ * after the weight tile and the x tiles (8 in all). */
+#define AMX_MB 4
+
+/* Linux hands out the tile registers' state to processes that ask (once per process). */
+static int amx_permitted(void) {
+    static int state; /* 0 not asked, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                    18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* Every tile 16 rows of 64 bytes: weights (16 rows x 32 bf16), x (16 pairs x 16 rows) and
+ * products (16 outputs x 16 rows of fp32). oneDNN configures its own before each product, so
+ * each call of this kernel does so too, and releases the tiles when done. */
+__attribute__((TAMX_ATTR)) static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* One block of products (16 outputs from n x 16 rows from m0, fp32, output-major) into out
+ * for the mc rows that exist, with the inputs past kv (not a multiple of 32) and the bias. */
+TAMX void amx_emit(const float *c, const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
+                   const uint16_t *bias, int64_t m0, int64_t mc, int64_t n, int64_t K,
+                   int64_t kv, uint16_t *out, int64_t so) {
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(16));
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n))), 16));
+    for (int64_t i = 0; i < mc; i++) {
+        __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + i, 4), b);
+        if (kv < K) {
+            float t[16];
+            _mm512_storeu_ps(t, v);
+            const uint16_t *xr = x + (m0 + i) * sx;
+            for (int r = 0; r < 16; r++)
+                for (int64_t k = kv; k < K; k++)
+                    t[r] += bf16_to_f32(xr[k]) * bf16_to_f32(w[(n + r) * sw + k]);
+            v = _mm512_loadu_ps(t);
+        }
+        _mm256_storeu_si256((__m256i *)(out + (m0 + i) * so + n), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* The 16 outputs from n for the x blocks [mb0, mb0 + MB) (MB a constant after inlining):
+ * one weight tile per 32 inputs, read from memory once, meets every block's x tile. */
+TAMX void amx_block(const uint32_t *xp, int64_t xstride, const uint16_t *x, int64_t sx,
+                    const uint16_t *w, int64_t sw, const uint16_t *bias, int64_t M, int64_t mb0,
+                    const int MB, int64_t n, int64_t K, int64_t kv, uint16_t *out, int64_t so) {
+    float c[AMX_MB][256] __attribute__((aligned(64)));
+    const uint16_t *wr = w + n * sw;
+    const int64_t wstride = sw * (int64_t)sizeof *w;
+    const uint32_t *xb = xp + mb0 * xstride;
+    _tile_zero(0);
+    if (MB > 1) _tile_zero(1);
+    if (MB > 2) _tile_zero(2);
+    if (MB > 3) _tile_zero(3);
+    for (int64_t k = 0; k < kv; k += 32) {
+        _tile_loadd(4, wr + k, wstride);
+        _tile_loadd(5, xb + k * 8, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (MB > 1) {
+            _tile_loadd(6, xb + xstride + k * 8, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (MB > 2) {
+            _tile_loadd(7, xb + 2 * xstride + k * 8, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (MB > 3) {
+            _tile_loadd(5, xb + 3 * xstride + k * 8, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    if (MB > 1) _tile_stored(1, c[1], 64);
+    if (MB > 2) _tile_stored(2, c[2], 64);
+    if (MB > 3) _tile_stored(3, c[3], 64);
+    for (int b = 0; b < MB; b++) {
+        const int64_t m0 = (mb0 + b) * 16, mc = M - m0 < 16 ? M - m0 : 16;
+        amx_emit(c[b], x, sx, w, sw, bias, m0, mc, n, K, kv, out, so);
+    }
+}
+
+/* The outputs [n0, n1): whole blocks of 16 on tiles, the rows after the last one (N not a
+ * multiple of 16) with the dot-product instructions. */
+__attribute__((TAMX_ATTR)) static void
+rows_amx(const uint32_t *xp, int64_t xstride, const uint16_t *x, int64_t sx, const uint16_t *w,
+         int64_t sw, const uint16_t *bias, int64_t M, int64_t n0, int64_t n1, int64_t K,
+         uint16_t *out, int64_t so) {
+    const int64_t kv = K & ~(int64_t)31, blocks = (M + 15) / 16;
+    amx_configure();
+    int64_t n = n0;
+    for (; n + 16 <= n1; n += 16)
+        for (int64_t mb = 0; mb < blocks; mb += AMX_MB) {
+            switch (blocks - mb) {
+            case 1: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 1, n, K, kv, out, so); break;
+            case 2: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 2, n, K, kv, out, so); break;
+            case 3: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 3, n, K, kv, out, so); break;
+            default: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 4, n, K, kv, out, so);
+            }
+        }
+    _tile_release();
+    if (n < n1) rows_avx512bf16(x, sx, w, sw, bias, M, n, n1, K, out, so);
+}
 #else
+#define KVF_HAVE_AMX 0
+#endif
+
+#define KVF_VARIANTS                                                                         \
+    ((1 << KVF_SCALAR) | (1 << KVF_AVX2) | (1 << KVF_AVX512) | (1 << KVF_AVX512BF16) |       \
+     (KVF_HAVE_AMX << KVF_AMX))
+#else
+#define KVF_HAVE_AMX 0
 #define KVF_VARIANTS (1 << KVF_SCALAR)
 #endif
 
-/* Bit v set: variant v (KVF_SCALAR, KVF_AVX2, KVF_AVX512, KVF_AVX512BF16) is in this build. */
+/* Bit v set: variant v (KVF_SCALAR, KVF_AVX2, KVF_AVX512, KVF_AVX512BF16, KVF_AMX) is in
+ * this build. */
 int kvf_bf16_linear_variants(void) { return KVF_VARIANTS; }
+
+/* 0 when the AMX variant can run in this process (it is in the build and Linux grants the
+ * tile state), -1 otherwise. */
+int kvf_bf16_linear_amx_ready(void) {
+#if KVF_HAVE_AMX
+    return amx_permitted() ? 0 : -1;
+#else
+    return -1;
+#endif
+}
 
 /* x widened to fp32 once per call, in a buffer the calling thread keeps: decode calls are
  * small and many, and a fresh allocation of this size would fault its pages in every time. */
@@ -362,23 +510,79 @@ static const float *widen_x(const uint16_t *x, int64_t sx, int64_t M, int64_t K,
     return xbuf;
 }
 
-/* Returns 0; -1 when `variant` is not in this build, -2 when out of memory (nothing is
- * written then). */
+#if KVF_HAVE_AMX
+/* x in the AMX variant's pair order, in a buffer the calling thread keeps (as xbuf): block b
+ * of 16 rows holds, for each pair p of the first kv inputs, the pair of each of its rows
+ * (zeros for rows past M) at [b * (kv / 2) * 16 + p * 16 + row]. */
+static _Thread_local uint32_t *pbuf;
+static _Thread_local int64_t pbuf_len;
+
+__attribute__((TAMX_ATTR)) static const uint32_t *pair_x(const uint16_t *x, int64_t sx,
+                                                         int64_t M, int64_t kv) {
+    const int64_t blocks = (M + 15) / 16, stride = kv / 2 * 16;
+    if (!pbuf || pbuf_len < blocks * stride) {
+        free(pbuf);
+        pbuf = aligned_alloc(64, (size_t)(blocks * stride) * sizeof *pbuf + 64);
+        pbuf_len = pbuf ? blocks * stride : 0;
+        if (!pbuf) return 0;
+    }
+    if (sx > (INT32_MAX >> 5)) { /* row offsets past a 32-bit gather index: pair by pair */
+        for (int64_t b = 0; b < blocks; b++) {
+            uint32_t *d = pbuf + b * stride;
+            const int64_t rows = M - b * 16 < 16 ? M - b * 16 : 16;
+            memset(d, 0, (size_t)stride * sizeof *d);
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t p = 0; p < kv / 2; p++)
+                    memcpy(d + p * 16 + i, x + (b * 16 + i) * sx + 2 * p, 4);
+        }
+        return pbuf;
+    }
+    const __m512i rows_at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)(sx * (int64_t)sizeof *x)));
+    for (int64_t b = 0; b < blocks; b++) {
+        uint32_t *d = pbuf + b * stride;
+        const int64_t rows = M - b * 16 < 16 ? M - b * 16 : 16;
+        const __mmask16 live = (__mmask16)((1u << rows) - 1u);
+        const uint16_t *xb = x + b * 16 * sx;
+        for (int64_t p = 0; p < kv / 2; p++)
+            _mm512_store_si512(d + p * 16, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                                      rows_at, xb + 2 * p, 1));
+    }
+    return pbuf;
+}
+#endif
+
+/* Returns 0; -1 when `variant` is not in this build (or, for KVF_AMX, cannot run: see
+ * kvf_bf16_linear_amx_ready), -2 when out of memory (nothing is written then). */
 int kvf_bf16_linear(int variant, const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
                     const uint16_t *bias, int64_t M, int64_t N, int64_t K, uint16_t *out,
                     int64_t so, int num_threads) {
-    if (variant < 0 || variant > KVF_AVX512BF16 || !(KVF_VARIANTS & (1 << variant))) return -1;
+    if (variant < 0 || variant > KVF_AMX || !(KVF_VARIANTS & (1 << variant))) return -1;
+    if (variant == KVF_AMX && kvf_bf16_linear_amx_ready() != 0) return -1;
     if (M <= 0 || N <= 0) return 0;
     const float *xf = 0;
     const int widen = variant == KVF_AVX2 || variant == KVF_AVX512;
     if (widen && !(xf = widen_x(x, sx, M, K, variant == KVF_AVX2 ? 0 : 16))) return -2;
-    const int64_t nb = variant == KVF_AVX2 ? NT256 : NT; /* outputs per tile */
+    const uint32_t *xp = 0;
+    (void)xp;
+#if KVF_HAVE_AMX
+    if (variant == KVF_AMX && !(xp = pair_x(x, sx, M, K & ~(int64_t)31))) return -2;
+#endif
+    /* outputs per tile */
+    const int64_t nb = variant == KVF_AMX ? 16 : variant == KVF_AVX2 ? NT256 : NT;
     const int parallel = M * N * K >= PARALLEL_MIN_MACS && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
         int64_t n0, n1;
         thread_outputs(N, nb, &n0, &n1);
         if (n0 < n1) {
+#if KVF_HAVE_AMX
+            if (variant == KVF_AMX)
+                rows_amx(xp, (K & ~(int64_t)31) / 2 * 16, x, sx, w, sw, bias, M, n0, n1, K, out,
+                         so);
+            else
+#endif
 #if defined(__x86_64__) && defined(__GNUC__)
             if (variant == KVF_AVX512BF16)
                 rows_avx512bf16(x, sx, w, sw, bias, M, n0, n1, K, out, so);
