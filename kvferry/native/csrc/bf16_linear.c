@@ -395,10 +395,14 @@ TAMX void amx_emit(const float *c, const uint16_t *x, int64_t sx, const uint16_t
 }
 
 /* The 16 outputs from n for the x blocks [mb0, mb0 + MB) (MB a constant after inlining):
- * one weight tile per 32 inputs, read from memory once, meets every block's x tile. */
+ * one weight tile per 32 inputs, read from memory once, meets every block's x tile. `next`:
+ * the next block's 16 weight rows, or NULL; with more than one x block, each step prefetches
+ * the next block's 64 bytes at the same inputs, which overlaps its reads with this block's
+ * products (with one x block there is too little work per tile to hide them). */
 TAMX void amx_block(const uint32_t *xp, int64_t xstride, const uint16_t *x, int64_t sx,
                     const uint16_t *w, int64_t sw, const uint16_t *bias, int64_t M, int64_t mb0,
-                    const int MB, int64_t n, int64_t K, int64_t kv, uint16_t *out, int64_t so) {
+                    const int MB, int64_t n, int64_t K, int64_t kv, uint16_t *out, int64_t so,
+                    const uint16_t *next) {
     float c[AMX_MB][256] __attribute__((aligned(64)));
     const uint16_t *wr = w + n * sw;
     const int64_t wstride = sw * (int64_t)sizeof *w;
@@ -408,6 +412,9 @@ TAMX void amx_block(const uint32_t *xp, int64_t xstride, const uint16_t *x, int6
     if (MB > 2) _tile_zero(2);
     if (MB > 3) _tile_zero(3);
     for (int64_t k = 0; k < kv; k += 32) {
+        if (MB > 1 && next)
+            for (int r = 0; r < 16; r++)
+                _mm_prefetch((const char *)(next + r * sw + k), _MM_HINT_T0);
         _tile_loadd(4, wr + k, wstride);
         _tile_loadd(5, xb + k * 8, 64);
         _tile_dpbf16ps(0, 4, 5);
@@ -445,11 +452,13 @@ rows_amx(const uint32_t *xp, int64_t xstride, const uint16_t *x, int64_t sx, con
     int64_t n = n0;
     for (; n + 16 <= n1; n += 16)
         for (int64_t mb = 0; mb < blocks; mb += AMX_MB) {
+            /* Only the first pass over a block reads it from memory. */
+            const uint16_t *nx = mb == 0 && n + 32 <= n1 ? w + (n + 16) * sw : 0;
             switch (blocks - mb) {
-            case 1: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 1, n, K, kv, out, so); break;
-            case 2: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 2, n, K, kv, out, so); break;
-            case 3: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 3, n, K, kv, out, so); break;
-            default: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 4, n, K, kv, out, so);
+            case 1: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 1, n, K, kv, out, so, nx); break;
+            case 2: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 2, n, K, kv, out, so, nx); break;
+            case 3: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 3, n, K, kv, out, so, nx); break;
+            default: amx_block(xp, xstride, x, sx, w, sw, bias, M, mb, 4, n, K, kv, out, so, nx);
             }
         }
     _tile_release();
