@@ -208,10 +208,12 @@ DEFINE_ITEM(item_bf16, bf16_t, ROW_BF16)
  * The portable item is bound by its own instructions, not by memory: bf16 rows widened
  * through a buffer, one horizontal sum per score. Here four tokens' scores for two query
  * heads build up in eight registers over one pass of the keys and four sums are reduced at
- * once; the values are added four tokens at a time into two query heads' rows. PF: each run
- * of four tokens prefetches the next four's rows (the next block's first four at a block's
- * end). bf16 reads gain 5-16% from it, fp32 ones lose 7-16%: the hardware prefetcher keeps
- * up with fp32 rows unaided (AVX2-only Zen 2, docs/benchmarks.md). */
+ * once; the values are added four tokens at a time into two query heads' rows. PF 1: each
+ * run of four tokens prefetches the next four's rows (the next block's first four at a
+ * block's end); bf16 reads gain 5-16% from it, fp32 ones lose 7-16% (AVX2-only Zen 2). PF 2:
+ * each run prefetches the same four rows of the block the pass reads next (the values' first
+ * block after the keys' last), which no hardware prefetcher can guess; fp32 reads gain
+ * 17-45% from it, bf16 ones do not (Intel Xeon with AMX; docs/benchmarks.md). */
 
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 
@@ -337,15 +339,23 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                 const T *base = src + brow[t0 / block_size] * block_elems + h0 * head_stride; \
                 int64_t j = t0 < lo ? lo - t0 : 0;                                            \
                 /* The next block's rows, for the prefetch of the block's last run. */        \
-                const T *nextb = PF && t0 + block_size + 4 <= b                               \
+                const T *nextb = PF == 1 && t0 + block_size + 4 <= b                          \
                                      ? src + brow[t0 / block_size + 1] * block_elems +         \
                                            h0 * head_stride                                   \
                                      : 0;                                                     \
+                /* PF 2: the block this pass reads next, or the values' first. */             \
+                const T *ahead = PF != 2                       ? 0                            \
+                                 : t0 + block_size < b         ? src + brow[t0 / block_size + 1] * block_elems \
+                                 : pass == 0                   ? cache + (num_blocks + brow[a / block_size]) * block_elems \
+                                                               : 0;                           \
                 for (; j + 4 <= n; j += 4) {                                                  \
                     for (int64_t h = 0; h < nh; h++) {                                        \
                         const T *r = ROW_AT(base, j) + h * head_stride;                       \
                         /* This head's rows of the next four tokens. */                       \
-                        const T *pf = !PF          ? 0                                        \
+                        const T *pf = PF == 2      ? (ahead ? ROW_AT(ahead + h0 * head_stride, j) + \
+                                                                   h * head_stride            \
+                                                            : 0)                              \
+                                      : !PF        ? 0                                        \
                                       : j + 8 <= n ? r + 4 * ts                               \
                                       : nextb      ? nextb + h * head_stride                  \
                                                    : 0;                                       \
@@ -384,7 +394,7 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
         if (!gmax) normalise_rows(acc, gsum, nq, head_dim);                                   \
     }
 
-DEFINE_AVX2_ITEM(avx2_item_f32, float, load8_f32, 0)
+DEFINE_AVX2_ITEM(avx2_item_f32, float, load8_f32, 2)
 DEFINE_AVX2_ITEM(avx2_item_bf16, bf16_t, widen256, 1)
 #define HAVE_AVX2_ITEMS 1
 #endif
