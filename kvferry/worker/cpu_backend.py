@@ -94,8 +94,8 @@ F32_KERNEL_MAX_ROWS = 32
 F32_KERNEL_MAX_ROWS_AVX512 = 16
 # Up to this many rows the bf16 C kernel's AMX variant beats oneDNN's packed bf16 GEMM (on AMX
 # as well): it reads each dense weight once, in place, near the memory rate, where oneDNN's
-# small steps stay well below it; oneDNN leads from about 192 (Intel Xeon with AMX,
-# docs/benchmarks.md).
+# small steps stay well below it; the two are level at 128 and oneDNN leads at 192 (Intel
+# Xeon with AMX, docs/benchmarks.md).
 BF16_AMX_MAX_ROWS = 128
 # Up to this many rows the bf16 C kernel's dot-product variant beats oneDNN's packed bf16 GEMM
 # on a CPU with AVX512_BF16: a one-row step streams the weight once at the memory rate, where
