@@ -344,17 +344,17 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                                            h0 * head_stride                                   \
                                      : 0;                                                     \
                 /* PF 2: the block this pass reads next, or the values' first. */             \
-                const T *ahead = PF != 2                       ? 0                            \
-                                 : t0 + block_size < b         ? src + brow[t0 / block_size + 1] * block_elems \
-                                 : pass == 0                   ? cache + (num_blocks + brow[a / block_size]) * block_elems \
-                                                               : 0;                           \
+                const int64_t ahead_id = PF != 2                  ? -1                        \
+                                         : t0 + block_size < b    ? brow[t0 / block_size + 1] \
+                                         : pass == 0              ? num_blocks + brow[a / block_size] \
+                                                                  : -1;                       \
+                const T *ahead = ahead_id < 0 ? 0                                             \
+                                              : src + ahead_id * block_elems + h0 * head_stride; \
                 for (; j + 4 <= n; j += 4) {                                                  \
                     for (int64_t h = 0; h < nh; h++) {                                        \
                         const T *r = ROW_AT(base, j) + h * head_stride;                       \
                         /* This head's rows of the next four tokens. */                       \
-                        const T *pf = PF == 2      ? (ahead ? ROW_AT(ahead + h0 * head_stride, j) + \
-                                                                   h * head_stride            \
-                                                            : 0)                              \
+                        const T *pf = PF == 2      ? (ahead ? ROW_AT(ahead, j) + h * head_stride : 0) \
                                       : !PF        ? 0                                        \
                                       : j + 8 <= n ? r + 4 * ts                               \
                                       : nextb      ? nextb + h * head_stride                  \
