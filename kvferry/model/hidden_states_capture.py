@@ -28,6 +28,9 @@ class HiddenStatesCapture:
         self.layer_ids = frozenset(layer_ids)
         self.states: dict[int, torch.Tensor] = {}
 
+    def wants(self, layer_id: int) -> bool:
+        return layer_id in self.layer_ids
+
     def record(self, layer_id: int, x: torch.Tensor, residual: torch.Tensor | None) -> None:
         """``x`` and ``residual`` as the decoder loop carries them (their sum is the stream;
         ``residual`` is None before the first layer)."""

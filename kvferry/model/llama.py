@@ -63,9 +63,19 @@ class DecoderAttention(nn.Module):
             sliding_window=cfg.layer_sliding_window(layer_idx),
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``keep``: the rows whose output is wanted (every row's K/V still reach the cache).
+        ``x`` may have rows past the step's tokens (``cos``' rows), which only pad the GEMMs."""
+        n = cos.shape[0]
         qkv = self.qkv_proj(x)
+        if qkv.shape[0] != n:
+            qkv = qkv[:n]
         v = qkv[:, self.q_size + self.kv_size :]
         fused = self.fused
         if (
@@ -97,6 +107,12 @@ class DecoderAttention(nn.Module):
             qk = apply_rotary(qk, cos, sin, self.fused)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q, k, v)
+        if keep is not None:
+            out = out[keep]
+            if out.shape[0] == 0:  # no row wanted (a prefill chunk that samples nothing)
+                return out.new_empty(0, self.o_proj.out_features)
+        elif x.shape[0] != n:
+            out = F.pad(out, (0, 0, 0, x.shape[0] - n))
         return self.o_proj(out)
 
 
@@ -116,20 +132,32 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp_out, residual)``; their sum is the layer's output. Deferring the add
-        lets the next layer's norm fuse it."""
+        lets the next layer's norm fuse it. ``keep`` (row indices): only those rows' outputs,
+        in that order."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_norm(x, residual)
-        h = self.self_attn(h, cos, sin)
+        h = self.self_attn(h, cos, sin, keep)
+        if keep is not None:
+            residual = residual[keep]
+            if h.shape[0] == 0:
+                return h, residual
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
+    # Set by a device backend whose GEMMs slow down at some row counts: a step of at least
+    # ``pad_min_rows`` tokens runs its layers on zero rows appended up to a multiple of
+    # ``row_multiple`` (the tokens' own rows are computed as without them).
+    row_multiple: int | None = None
+    pad_min_rows: int = 0
+
     def __init__(self, cfg: ArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
         # Built for the loader to fill (on the meta device): an explicit weight skips the
@@ -144,17 +172,36 @@ class DecoderModel(nn.Module):
             cfg.rope_scaling,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        n, multiple = x.shape[0], self.row_multiple
+        if multiple and n >= self.pad_min_rows and n % multiple:
+            x = F.pad(x, (0, 0, 0, multiple - n % multiple))
         residual: torch.Tensor | None = None
         capture = active_hidden_states_capture()
+        last = len(self.layers) - 1
+        # A capture of the last layer's output wants every row: the rows are picked after it.
+        late = capture is not None and capture.wants(len(self.layers))
         for i, layer in enumerate(self.layers):
             if capture is not None:
-                capture.record(i, x, residual)
-            x, residual = layer(x, residual, cos, sin)
+                capture.record(i, x[:n], None if residual is None else residual[:n])
+            keep = output_rows if i == last and not late else None
+            x, residual = layer(x, residual, cos, sin, keep)
+        if output_rows is None or late:
+            x, residual = x[:n], None if residual is None else residual[:n]
         if capture is not None:
             capture.record(len(self.layers), x, residual)
+        if late and output_rows is not None:
+            x = x[output_rows]
+            residual = None if residual is None else residual[output_rows]
+        if x.shape[0] == 0:
+            return x
         if residual is None:
             return self.norm(x)  # type: ignore[no-any-return]
         return self.norm.add_norm(x, residual)[0]
@@ -165,7 +212,10 @@ class CausalLM(nn.Module):
 
     ``forward(input_ids, positions)`` takes ``[num_tokens]`` long tensors (``positions`` are
     absolute positions in each request's sequence) and returns the final hidden states
-    ``[num_tokens, hidden_size]``. It must run inside ``set_forward_context``: the attention
+    ``[num_tokens, hidden_size]``, or with ``output_rows`` (a long tensor of flat token indices)
+    those rows' alone, in that order: the last layer then runs its output projection and MLP
+    for them only, since no other row's last-layer output is read (every row's K/V still
+    reach the cache). It must run inside ``set_forward_context``: the attention
     layers read the step's metadata and KV caches from it. ``compute_logits(hidden)`` returns
     fp32 ``[n, vocab_size]``. ``layer_names`` lists the attention layers, in order, as they
     key ``ForwardContext.kv_caches``.
@@ -192,8 +242,13 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # type: ignore[no-any-return]
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, output_rows)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

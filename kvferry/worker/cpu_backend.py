@@ -101,6 +101,12 @@ BF16_AMX_MAX_ROWS = 128
 # on a CPU with AVX512_BF16: a one-row step streams the weight once at the memory rate, where
 # oneDNN's small-step GEMM (AMX or not) stays below it; from two rows on they are level.
 BF16_DOT_MAX_ROWS = 1
+# oneDNN's fp32 AVX-512 GEMM runs some row counts of a prefill step up to 1.4x slower per
+# row than the nearest multiple of 8 (e.g. 259, 517 or 533 rows; none below 256 on the Intel
+# Xeon with AMX), so such steps run their layers on zero rows appended up to a multiple of 8
+# (DecoderModel.row_multiple).
+F32_ROW_MULTIPLE = 8
+F32_PAD_MIN_ROWS = 256
 
 
 def _native_fp16_matmul(features: CPUFeatures) -> bool:
@@ -354,6 +360,10 @@ class CPUBackend:
             self.paths.update(
                 linear=f"torch-{_name(self.dtype)}", logits=f"torch-{_name(self.dtype)}"
             )
+        if self.dtype == torch.float32 and self.features.isa == "avx512":
+            model.model.row_multiple = F32_ROW_MULTIPLE
+            model.model.pad_min_rows = F32_PAD_MIN_ROWS
+            self.paths.update(row_pad=f"{F32_ROW_MULTIPLE}>={F32_PAD_MIN_ROWS}rows")
         for module in model.modules():
             if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
                 module.fused = self.fused_ops

@@ -194,13 +194,17 @@ class ModelRunner:
             per_layer, self.kv_caches, connector, attn_workspace=self.attn_workspace
         )
         kv_output = None
+        # Only the sampled rows' final hidden states are read (a decode step samples them all).
+        rows = None
+        if len(batch.sample_tokens) < batch.input_ids.shape[0]:
+            rows = long_tensor(batch.sample_tokens, self.device)
         with set_forward_context(ctx):
             if driver is None:
-                hidden = self.model(batch.input_ids, batch.positions)
+                hidden = self.model(batch.input_ids, batch.positions, rows)
             else:
                 driver.pre_forward(so, ctx)
                 try:
-                    hidden = self.model(batch.input_ids, batch.positions)
+                    hidden = self.model(batch.input_ids, batch.positions, rows)
                 except BaseException:
                     driver.abort_step()
                     raise
@@ -210,20 +214,19 @@ class ModelRunner:
         return output
 
     def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """``hidden``: the final hidden states of ``batch.sample_tokens``, one row each."""
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(batch.req_ids)
         failed: dict[str, str] = {}
         if self.unservable:
             failed = {r: self.unservable[r] for r in batch.req_ids if r in self.unservable}
-        sample_rows, last = batch.sample_rows, batch.sample_tokens
+        sample_rows = batch.sample_rows
         if failed:
             keep = [i for i, r in enumerate(sample_rows) if batch.req_ids[r] not in failed]
-            sample_rows, last = [sample_rows[i] for i in keep], [last[i] for i in keep]
+            sample_rows = [sample_rows[i] for i in keep]
+            hidden = hidden[long_tensor(keep, hidden.device)]
         if sample_rows:
-            if len(last) == hidden.shape[0]:  # every row is a sampled decode: all of hidden
-                logits = self.model.compute_logits(hidden)
-            else:
-                logits = self.model.compute_logits(hidden[long_tensor(last, hidden.device)])
+            logits = self.model.compute_logits(hidden)
             states = [self.requests[batch.req_ids[r]] for r in sample_rows]
             rows = [SamplingRow(s.sampling_params, s.generator) for s in states]
             out = self.sampler(logits, rows)

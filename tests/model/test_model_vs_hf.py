@@ -17,6 +17,7 @@ from kvferry.config import ModelConfig
 from kvferry.model.attention_metadata import build_attention_metadata
 from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.model.forward_context import ForwardContext, layer_metadata, set_forward_context
+from kvferry.model.hidden_states_capture import HiddenStatesCapture
 from kvferry.model.llama import CausalLM
 from kvferry.model.loader import load_model
 from kvferry.worker.cpu_backend import CPUBackend
@@ -107,6 +108,20 @@ class PagedRunner:
 
     def step(self, schedule: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
         """Run ``num_tokens`` more tokens of each listed request; returns per-request logits."""
+        logits = self.model.compute_logits(self.hidden(schedule)).cpu()
+        out, offset = {}, 0
+        for req, n in schedule:
+            out[req] = logits[offset : offset + n]
+            offset += n
+        return out
+
+    def hidden(
+        self,
+        schedule: list[tuple[str, int]],
+        output_rows: list[int] | None = None,
+        capture: HiddenStatesCapture | None = None,
+    ) -> torch.Tensor:
+        """The step's final hidden states (of ``output_rows`` alone, if given)."""
         ids: list[int] = []
         pos: list[int] = []
         qlens, slens, tables = [], [], []
@@ -123,18 +138,19 @@ class PagedRunner:
             self.computed[req] = end
         meta = build_attention_metadata(qlens, slens, tables, BLOCK_SIZE, self.device)
         ctx = ForwardContext(
-            layer_metadata(meta, self.kv_caches), self.kv_caches, attn_workspace=self.workspace
+            layer_metadata(meta, self.kv_caches),
+            self.kv_caches,
+            attn_workspace=self.workspace,
+            hidden_states_capture=capture,
         )
+        rows = None
+        if output_rows is not None:
+            rows = torch.tensor(output_rows, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(ctx):
-            hidden = self.model(
-                torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device)
+            hidden: torch.Tensor = self.model(
+                torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), rows
             )
-            logits = self.model.compute_logits(hidden).cpu()
-        out, offset = {}, 0
-        for req, n in schedule:
-            out[req] = logits[offset : offset + n]
-            offset += n
-        return out
+        return hidden
 
 
 def load(
@@ -204,6 +220,68 @@ def test_mixed_batch_matches_full_prefill(case: str, checkpoint: Callable[[str],
     torch.testing.assert_close(got["c"], refs["c"][25:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got["d1"], refs["d1"][40:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got["d2"], refs["d2"][16:], atol=1e-4, rtol=1e-4)
+
+
+MIXED = {"p": (30, 3), "d1": (41, 4), "d2": (17, 5), "c": (40, 6)}
+# One step mixing a decode, a fresh prefill, a chunked prefill with context, a decode.
+MIXED_STEP = [("d1", 1), ("p", 30), ("c", 15), ("d2", 1)]
+
+
+def mixed_runner(model: CausalLM) -> PagedRunner:
+    """A runner one step before MIXED_STEP."""
+    runner = PagedRunner(model, seed=3)
+    for req, (n, seed) in MIXED.items():
+        runner.add(req, prompt(n, seed))
+    runner.step([("d1", 40), ("d2", 16), ("c", 25)])
+    return runner
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3-tied"])
+def test_sampled_rows_alone_match_every_row(case: str, checkpoint: Callable[[str], Path]) -> None:
+    """With ``output_rows`` the last layer's output projection and MLP run for those rows
+    only; their hidden states, and every row's K/V in the cache, are as in a full forward."""
+    model = load(checkpoint(case))
+    full, picked, none = mixed_runner(model), mixed_runner(model), mixed_runner(model)
+    want = full.hidden(MIXED_STEP)
+    rows = [0, 30, 46, 1]  # d1, p's last token, d2, p's first (any order)
+    got = picked.hidden(MIXED_STEP, rows)
+    torch.testing.assert_close(got, want[rows], atol=1e-5, rtol=1e-5)
+    # A step that samples nothing (e.g. only a chunk of a longer prompt).
+    assert none.hidden(MIXED_STEP, []).shape == (0, want.shape[1])
+    for name in model.layer_names:
+        assert torch.equal(picked.kv_caches[name], full.kv_caches[name]), name
+        assert torch.equal(none.kv_caches[name], full.kv_caches[name]), name
+
+
+def test_padded_rows_leave_the_tokens_rows_alone(checkpoint: Callable[[str], Path]) -> None:
+    """A backend may have a step run on zero rows appended up to a multiple of
+    ``row_multiple`` (for its GEMMs' sake): the tokens' hidden states, their K/V and what a
+    capture records are as without them."""
+    model = load(checkpoint("qwen3-tied"))
+    layers = model.config.num_hidden_layers
+    plain, plain_capture = mixed_runner(model), HiddenStatesCapture([0, 1, layers])
+    want = plain.hidden(MIXED_STEP, capture=plain_capture)
+    backend = model.model.row_multiple, model.model.pad_min_rows
+    model.model.row_multiple, model.model.pad_min_rows = 8, 0  # 47 rows -> 48
+    rows_seen: list[int] = []
+    hook = model.model.layers[0].self_attn.qkv_proj.register_forward_pre_hook(
+        lambda _module, args: rows_seen.append(args[0].shape[0])
+    )
+    try:
+        padded, capture = mixed_runner(model), HiddenStatesCapture([0, 1, layers])
+        got = padded.hidden(MIXED_STEP, capture=capture)
+        picked = mixed_runner(model).hidden(MIXED_STEP, [46, 0])
+    finally:
+        model.model.row_multiple, model.model.pad_min_rows = backend
+        hook.remove()
+    assert rows_seen == [88, 48] * 2, rows_seen  # each runner: its 81-row setup step, then 47
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(picked, want[[46, 0]], atol=1e-5, rtol=1e-5)
+    for i in (0, 1, layers):
+        assert capture.states[i].shape == plain_capture.states[i].shape == want.shape
+        torch.testing.assert_close(capture.states[i], plain_capture.states[i])
+    for name in model.layer_names:
+        torch.testing.assert_close(padded.kv_caches[name], plain.kv_caches[name])
 
 
 def test_decode_groups_of_very_different_lengths(checkpoint: Callable[[str], Path]) -> None:

@@ -4,8 +4,8 @@ bf16: oneDNN-packed bf16 weights and torch's bf16 product (native bf16 CPUs; wit
 torch's SDPA for prefills in place of the paged C kernel), the C kernel's
 AVX2 and portable variants (forced with KVFERRY_CPU_ISA), the C kernel with widening for large
 steps, and widening alone (the kernel unbuildable). fp32: the small-step C kernel in front of
-oneDNN (the AVX2 level), oneDNN alone (AVX-512, or the kernel unbuildable) and oneDNN for small
-steps with MKL for the rest (below AVX2). The other C kernels stay on in every run: they round
+oneDNN (the AVX2 level), oneDNN alone (AVX-512, or the kernel unbuildable), oneDNN for small
+steps with MKL for the rest (below AVX2), and steps padded to a multiple of 8 rows (AVX-512). The other C kernels stay on in every run: they round
 differently from the torch ops they replace, which is not what this compares.
 
 bf16 paths sum in fp32 in different orders and round each layer's output to bf16, so two of
@@ -185,3 +185,11 @@ def test_every_fp32_path_gives_the_same_tokens(
         assert f"linear={path} logits={path}" in line, (isa, kernel, line)
         want = want or got
         assert [ids for ids, _ in got] == [ids for ids, _ in want], (isa, kernel, line)
+    if own.cpu_isa == "avx512":
+        # Every step of 8 rows or more padded to a multiple of 8 (from 256 rows as chosen).
+        monkeypatch.setenv("KVFERRY_CPU_ISA", "avx512")
+        monkeypatch.setattr(cpu_backend, "F32_PAD_MIN_ROWS", 8)
+        cf.cpu_features.cache_clear()
+        got, line = generate(folder, caplog, dtype="float32")
+        assert "row_pad=8>=8rows" in line, line
+        assert [ids for ids, _ in got] == [ids for ids, _ in want], line
