@@ -101,6 +101,10 @@ BF16_AMX_MAX_ROWS = 128
 # on a CPU with AVX512_BF16: a one-row step streams the weight once at the memory rate, where
 # oneDNN's small-step GEMM (AMX or not) stays below it; from two rows on they are level.
 BF16_DOT_MAX_ROWS = 1
+# bf16 on AMX: oneDNN's GEMM on the plain weight matches or beats its packed one from 384 rows
+# on (prefill), where the packed plans of some shapes run at 0.5-0.65x (the 0.6B o_proj at
+# 512-576 rows; Intel Xeon with AMX), so the packed copy serves steps up to here.
+BF16_AMX_PACKED_MAX_ROWS = 383
 # oneDNN's fp32 AVX-512 GEMM runs some row counts of a prefill step up to 1.4x slower per
 # row than the nearest multiple of 8 (e.g. 259, 517 or 533 rows; none below 256 on the Intel
 # Xeon with AMX), so such steps run their layers on zero rows appended up to a multiple of 8
@@ -148,10 +152,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def packed_max_rows(features: CPUFeatures) -> int | None:
+def packed_max_rows(features: CPUFeatures, dtype: torch.dtype = torch.float32) -> int | None:
     """Up to how many rows a step uses the oneDNN-packed weight (None: every step). With AVX2
     or AVX-512, oneDNN's GEMMs beat MKL's at every size measured on the AMD CPUs this runs on
-    (docs/benchmarks.md); below AVX2, only where the step streams the weight from memory."""
+    (docs/benchmarks.md); below AVX2, only where the step streams the weight from memory. bf16
+    on AMX: up to BF16_AMX_PACKED_MAX_ROWS."""
+    if dtype == torch.bfloat16 and features.amx_bf16:
+        return BF16_AMX_PACKED_MAX_ROWS
     return None if features.isa in ("avx512", "avx2") else PACKED_MAX_ROWS
 
 
@@ -398,7 +405,7 @@ class CPUBackend:
         weights take; other steps use the dense weight, whose layout does not matter there.
         Where torch has no oneDNN, fp32 weights become input-major instead, which MKL streams
         faster for steps of a few rows; bf16 ones stay as they are."""
-        rows = packed_max_rows(self.features)
+        rows = packed_max_rows(self.features, self.dtype)
         scope = "all-rows" if rows is None else f"<={rows}rows,torch"
         self.paths.update(linear=f"onednn-{_name(self.dtype)}-packed{scope}")
         for module in model.modules():

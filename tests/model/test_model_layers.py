@@ -112,6 +112,16 @@ def test_packed_weight_serves_every_step_from_avx2_up() -> None:
     assert cpu_backend.packed_max_rows(features("avx512")) is None
     assert cpu_backend.packed_max_rows(features("avx2")) is None
     assert cpu_backend.packed_max_rows(features("scalar")) == cpu_backend.PACKED_MAX_ROWS
+    amx = cpu_backend.CPUFeatures(
+        model="x",
+        flags=frozenset({"avx512f", "amx_tile", "amx_bf16"}),
+        isa="avx512",  # type: ignore[arg-type]
+        forced=None,
+    )
+    assert cpu_backend.packed_max_rows(amx) is None  # fp32
+    bf16 = cpu_backend.packed_max_rows(amx, torch.bfloat16)
+    assert bf16 == cpu_backend.BF16_AMX_PACKED_MAX_ROWS
+    assert cpu_backend.packed_max_rows(features("avx512"), torch.bfloat16) is None
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
     packed = cpu_backend.pack_weight(w)

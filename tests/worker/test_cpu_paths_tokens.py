@@ -114,14 +114,26 @@ def test_every_bf16_path_gives_the_same_tokens(
             f"linear={p}" in runs["auto"]
             for p in ("onednn-bfloat16-packed", "c-bf16-avx512bf16<=", "c-bf16-amx<=")
         )
+    # With AMX the packed weights serve steps up to BF16_AMX_PACKED_MAX_ROWS, the plain ones
+    # (torch's product) the larger ones.
+    chosen = cpu_backend.BF16_AMX_PACKED_MAX_ROWS
+    packed = f"onednn-bfloat16-packed<={chosen}rows,torch" if own.amx_bf16 else ""
+    packed = packed or "onednn-bfloat16-packedall-rows"
     if own.amx_bf16 and own.bf16_dot:
         # The AMX kernel in front of the packed weights: as chosen, for every step up to 2,048
-        # rows (prefill included), and not at all (the dot-product kernel takes one-row steps).
-        assert f"linear=c-bf16-amx<={cpu_backend.BF16_AMX_MAX_ROWS}rows," in runs["auto"]
+        # rows (prefill included), and not at all (the dot-product kernel takes one-row steps);
+        # and with the plain weights from 9 rows up (every prefill step here).
+        assert f"linear=c-bf16-amx<={cpu_backend.BF16_AMX_MAX_ROWS}rows,{packed}" in runs["auto"]
         monkeypatch.delenv("KVFERRY_CPU_ISA")
         cf.cpu_features.cache_clear()
-        for amx_rows, kernel in [(cpu_backend.BF16_AMX_MAX_ROWS, True), (2048, True), (0, False)]:
+        for amx_rows, kernel, packed_rows in [
+            (cpu_backend.BF16_AMX_MAX_ROWS, True, chosen),
+            (2048, True, chosen),
+            (0, False, chosen),
+            (4, True, 8),
+        ]:
             monkeypatch.setattr(cpu_backend, "BF16_AMX_MAX_ROWS", amx_rows)
+            monkeypatch.setattr(cpu_backend, "BF16_AMX_PACKED_MAX_ROWS", packed_rows)
             monkeypatch.setattr(
                 cpu_backend,
                 "load_bf16_linear",
@@ -130,7 +142,8 @@ def test_every_bf16_path_gives_the_same_tokens(
             got, line = generate(folder, caplog)
             assert_same_greedy(got, want, BF16_TIE, ("amx", amx_rows, kernel, line))
             first = f"c-bf16-amx<={amx_rows}rows" if kernel else "c-bf16-avx512bf16<=1rows"
-            assert f"linear={first},onednn-bfloat16-packedall-rows" in line
+            assert f"linear={first},onednn-bfloat16-packed<={packed_rows}rows,torch" in line
+        monkeypatch.setattr(cpu_backend, "BF16_AMX_PACKED_MAX_ROWS", chosen)
     if own.bf16_dot:
         # The dot-product kernel in front of the packed weights: for one-row steps (as
         # chosen), for every step up to 64 rows (prefill included), and not at all.
@@ -148,7 +161,6 @@ def test_every_bf16_path_gives_the_same_tokens(
             )
             got, line = generate(folder, caplog)
             assert_same_greedy(got, want, BF16_TIE, ("dot", dot_rows, kernel, line))
-            packed = "onednn-bfloat16-packedall-rows"
             path = f"c-bf16-avx512bf16<={dot_rows}rows,{packed}" if kernel else packed
             assert f"linear={path} logits={path}" in line and "native_bf16=True" in line
 
