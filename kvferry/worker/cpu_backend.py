@@ -17,9 +17,11 @@ Which path serves what (all on CPU):
   kernel on the dense weight instead, which beats oneDNN there; at the AVX-512 level, steps of
   at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows run its AVX-512 variant. Where torch has no oneDNN the
   weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
-  elementwise steps.
+  elementwise steps. On AVX-512, steps of :data:`F32_PAD_MIN_ROWS` rows or more run on rows
+  padded to a multiple of :data:`F32_ROW_MULTIPLE`.
 * bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
-  weight for the larger steps. With AMX, steps of at most :data:`BF16_AMX_MAX_ROWS` rows
+  weight for the larger steps (with AMX up to :data:`BF16_AMX_PACKED_MAX_ROWS` rows, the
+  plain weight beyond). With AMX, steps of at most :data:`BF16_AMX_MAX_ROWS` rows
   (decode, the logits) run the C kernel's AMX variant on the dense bf16 weight; with
   AVX512_BF16 but no AMX, steps of at most :data:`BF16_DOT_MAX_ROWS` rows (a lone decode) run
   its AVX512-BF16 variant.
