@@ -5,10 +5,13 @@ places, the ``mid`` model's attention shape by default (16 heads / 4 KV heads, h
 block size 16). Reports the kernel's median time and GFLOP/s (causal score and value FLOPs)
 next to torch's SDPA on the same gathered K/V (fp32) and SDPA in the model's dtype on the
 fresh K/V as attention holds them (``fresh``: the path bf16 takes with AMX, torch's flash
-kernel), and checks the kernel agrees with the fp32 SDPA.
+kernel), and checks the kernel agrees with the fp32 SDPA. ``--kernel amx``: the bf16 kernel on
+AMX tiles (``csrc/paged_prefill_amx.c``) in place of the fp32-arithmetic one.
 
     .venv/bin/python benchmarks/prefill_kernel.py
     .venv/bin/python benchmarks/prefill_kernel.py --lengths 2048 --dtype bfloat16 --reps 9
+    .venv/bin/python benchmarks/prefill_kernel.py --kernel amx --dtype bfloat16 \
+        --heads 16 --kv-heads 8 --head-dim 128     # Qwen3-0.6B's attention
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness.machine import machine_info
-from kvferry.native.paged_prefill import load_paged_prefill
+from kvferry.native.paged_prefill import load_paged_prefill, load_paged_prefill_amx
 
 
 def median_s(fn: Callable[[], object], reps: int) -> float:
@@ -50,10 +53,16 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kernel", choices=["c", "amx"], default="c")
     args = ap.parse_args()
-    kernel = load_paged_prefill()
+    if args.kernel == "amx" and args.dtype != "bfloat16":
+        sys.exit("--kernel amx runs bf16 only: add --dtype bfloat16")
+    kernel = load_paged_prefill_amx() if args.kernel == "amx" else load_paged_prefill()
     if kernel is None:
-        sys.exit("the paged prefill kernel is unavailable (no C compiler, or native kernels off)")
+        sys.exit(
+            f"the {args.kernel} paged prefill kernel is unavailable here (no C compiler, native"
+            " kernels off, or for amx no AMX tiles)"
+        )
     m = machine_info()
     print(f"{m.get('cpu_model')} ({m.get('cpu_family_model')}, {', '.join(m.get('isa', []))}),")
     print(f"{torch.get_num_threads()} threads, load {m['loadavg']}, git {m.get('git_commit')}")

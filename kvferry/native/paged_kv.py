@@ -29,22 +29,22 @@ TAIL_ARGTYPES: list[Any] = [
 ]
 
 
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 class PagedKVKernel:
     """A C attention kernel reading K/V in place from a ``(2, num_blocks, block_size,
     kv_heads, head_dim)`` pool in either layout (the token and head strides are passed in);
-    ``<symbol>_f32`` and ``<symbol>_bf16`` are its entry points. :meth:`supports` is what every
+    ``<symbol>_f32`` and ``<symbol>_bf16`` are its entry points (those of its ``DTYPES``). :meth:`supports` is what every
     such kernel needs (CPU, fp32 or bf16, a cache dense in NHD or HND order); subclasses add
     their own limits."""
 
-    DTYPES = (torch.float32, torch.bfloat16)
+    DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
     def __init__(self, lib: ctypes.CDLL, symbol: str, own_argtypes: list[Any], what: str) -> None:
         self._what = what
         argtypes = POOL_ARGTYPES + own_argtypes + TAIL_ARGTYPES
-        self._fns = {
-            torch.float32: getattr(lib, f"{symbol}_f32"),
-            torch.bfloat16: getattr(lib, f"{symbol}_bf16"),
-        }
+        self._fns = {dt: getattr(lib, f"{symbol}_{_SUFFIX[dt]}") for dt in self.DTYPES}
         for fn in self._fns.values():
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int

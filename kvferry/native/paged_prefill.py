@@ -1,4 +1,5 @@
-"""Causal prefill attention over the paged KV pool, in place (``csrc/paged_prefill.c``)."""
+"""Causal prefill attention over the paged KV pool, in place (``csrc/paged_prefill.c``, and
+``csrc/paged_prefill_amx.c`` for bf16 on AMX tiles)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from typing import Any
 
 import torch
 
+from kvferry.logger import init_logger
 from kvferry.native.build import load_library
 from kvferry.native.paged_kv import PagedKVKernel
+
+logger = init_logger(__name__)
 
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # block ids of the request
@@ -29,16 +33,23 @@ class PagedPrefillKernel(PagedKVKernel):
     :meth:`__call__` returns ``[q_len, num_heads, head_dim]``.
     """
 
+    SYMBOL = "kvf_paged_prefill"
+    # The fp32 arithmetic of csrc/paged_prefill.c serves any head_dim that is a multiple of it.
+    HEAD_DIM_MULTIPLE: int = 16
+    MAX_HEAD_DIM: int | None = None
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        super().__init__(lib, "kvf_paged_prefill", _ARGTYPES, "paged prefill attention")
+        super().__init__(lib, self.SYMBOL, _ARGTYPES, "paged prefill attention")
         # Query heads per kv head that one work item can stack (IROWS in the C source).
-        lib.kvf_paged_prefill_rows.restype = ctypes.c_int
-        self.max_group = int(lib.kvf_paged_prefill_rows())
+        rows = getattr(lib, f"{self.SYMBOL}_rows")
+        rows.restype = ctypes.c_int
+        self.max_group = int(rows())
 
     def supports(self, kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
         return (
             super().supports(kv_cache, q)
-            and kv_cache.shape[-1] % 16 == 0
+            and kv_cache.shape[-1] % self.HEAD_DIM_MULTIPLE == 0
+            and (self.MAX_HEAD_DIM is None or kv_cache.shape[-1] <= self.MAX_HEAD_DIM)
             and q.dim() == 3
             and q.shape[1] // kv_cache.shape[3] <= self.max_group
         )
@@ -72,6 +83,36 @@ class PagedPrefillKernel(PagedKVKernel):
             scale,
             window or 0,
         )
+
+
+class PagedPrefillAMXKernel(PagedPrefillKernel):
+    """The same attention for bf16 pools with bf16 tile products (scores and output summed in
+    fp32, probabilities rounded to bf16 before they meet the values, as torch's bf16 flash
+    attention does): head_dim a multiple of 32 up to 256, at most 32 query heads per kv head.
+    Only where the CPU has AMX and Linux grants this process the tile state."""
+
+    DTYPES = (torch.bfloat16,)
+    SYMBOL = "kvf_paged_prefill_amx"
+    HEAD_DIM_MULTIPLE = 32
+    MAX_HEAD_DIM = 256
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        super().__init__(lib)
+        if lib.kvf_paged_prefill_amx_ready() != 0:
+            raise ValueError("the AMX tile state is not available to this process")
+
+
+def load_paged_prefill_amx() -> PagedPrefillAMXKernel | None:
+    """The AMX kernel, built on first use; None where native kernels are off, the kernel is
+    unbuildable or the tiles are not available."""
+    lib = load_library("paged_prefill_amx")
+    if lib is None:
+        return None
+    try:
+        return PagedPrefillAMXKernel(lib)
+    except ValueError as e:
+        logger.warning("AMX prefill attention unavailable: %s", e)
+        return None
 
 
 def load_paged_prefill() -> PagedPrefillKernel | None:

@@ -62,7 +62,12 @@ from kvferry.native.f32_linear import load_f32_linear
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.kv_write import KVWriteKernel, load_kv_write
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
-from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
+from kvferry.native.paged_prefill import (
+    PagedPrefillAMXKernel,
+    PagedPrefillKernel,
+    load_paged_prefill,
+    load_paged_prefill_amx,
+)
 from kvferry.native.rows_linear import RowsLinearKernel
 from kvferry.worker.cpu_features import CPUFeatures, cpu_features
 from kvferry.worker.malloc_tuning import tune_malloc
@@ -314,11 +319,10 @@ class CPUBackend:
                 self.fused_ops = load_fused_ops()
             if dtype in PagedDecodeKernel.DTYPES:
                 self.decode_kernel = load_paged_decode()
-            # With AMX, torch's flash SDPA takes bf16 products on tiles, several times the
-            # kernel's fp32 arithmetic even after a gather of the context.
-            if dtype in PagedPrefillKernel.DTYPES and not (
-                dtype == torch.bfloat16 and self.features.amx_bf16
-            ):
+            # With AMX, bf16 products on tiles beat the fp32 arithmetic several times over.
+            if dtype == torch.bfloat16 and self.features.amx_bf16:
+                self.prefill_kernel = load_paged_prefill_amx()
+            elif dtype in PagedPrefillKernel.DTYPES:
                 self.prefill_kernel = load_paged_prefill()
             self.write_kernel = load_kv_write()
             small: RowsLinearKernel | None = None
@@ -381,7 +385,7 @@ class CPUBackend:
         self.paths.update(
             fused_ops="c" if self.fused_ops is not None else "torch",
             decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",
-            prefill_attention="c-paged" if self.prefill_kernel is not None else "torch-sdpa",
+            prefill_attention=_prefill_path(self.prefill_kernel),
             kv_write="c" if self.write_kernel is not None else "torch",
             argmax="c" if self.argmax is not None else "torch",
             mlp_chunk=f"{MLP_CHUNK_BYTES >> 20}MiB",
@@ -449,3 +453,9 @@ def _logits_weight(model: CausalLM) -> torch.Tensor:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _prefill_path(kernel: PagedPrefillKernel | None) -> str:
+    if kernel is None:
+        return "torch-sdpa"
+    return "c-paged-amx" if isinstance(kernel, PagedPrefillAMXKernel) else "c-paged"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks import prefill_kernel
-from kvferry.native.paged_prefill import load_paged_prefill
+from kvferry.native.paged_prefill import load_paged_prefill, load_paged_prefill_amx
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -29,3 +29,22 @@ def test_one_row_per_length(
         # Times print to 0.1 ms, which these sizes may round down to 0.
         assert len(r) == 8 and all(math.isfinite(float(x)) and float(x) >= 0 for x in r[1:7])
         assert float(r[7]) < (1e-4 if dtype == "float32" else 3e-2)  # max error vs fp32 SDPA
+
+
+def test_amx_kernel_rows(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if load_paged_prefill_amx() is None:
+        pytest.skip("no AMX tiles on this CPU")
+    argv = ["prefill_kernel.py", "--lengths", "64", "--reps", "1", "--dtype", "bfloat16"]
+    monkeypatch.setattr(sys, "argv", argv + ["--kernel", "amx", "--head-dim", "128"])
+    prefill_kernel.main()
+    rows = capsys.readouterr().out.splitlines()
+    last = rows[-1].split()
+    assert last[0] == "64" and float(last[-1]) < 3e-2  # agrees with fp32 SDPA
+
+
+def test_amx_kernel_needs_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["prefill_kernel.py", "--kernel", "amx"])
+    with pytest.raises(SystemExit, match="bf16 only"):
+        prefill_kernel.main()

@@ -12,6 +12,7 @@ import torch
 from kvferry.kv_layout import KVCacheLayout, layout_of
 from kvferry.native.paged_decode import load_paged_decode
 from kvferry.native.paged_prefill import load_paged_prefill
+from tests.native.test_paged_prefill import amx_kernel
 from tests.native.test_sliding_window_kernels import _reference as windowed_reference
 
 pytestmark = pytest.mark.skipif(
@@ -46,11 +47,14 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 16), (4, 4, 4), (6, 3, 8)])
 @pytest.mark.parametrize(("ctx", "q_len", "window"), [(0, 40, None), (37, 29, None), (20, 30, 9)])
+@pytest.mark.parametrize("amx", [False, True])
 def test_prefill_reads_hnd_like_nhd(
     dtype: torch.dtype, heads: int, kv_heads: int, block_size: int, ctx: int, q_len: int,
-    window: int | None,
+    window: int | None, amx: bool,
 ) -> None:  # fmt: skip
-    kernel = load_paged_prefill()
+    if amx and dtype != torch.bfloat16:
+        pytest.skip("the AMX kernel is bf16 only")
+    kernel = amx_kernel() if amx else load_paged_prefill()
     assert kernel is not None
     head_dim = 32
     gen = torch.Generator().manual_seed(ctx + q_len)

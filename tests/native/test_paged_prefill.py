@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from kvferry.native.build import CSRC, load_library
-from kvferry.native.paged_prefill import PagedPrefillKernel, load_paged_prefill
+from kvferry.native.paged_prefill import (
+    PagedPrefillKernel,
+    load_paged_prefill,
+    load_paged_prefill_amx,
+)
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
@@ -88,7 +92,7 @@ def _check_case(
     ref = _reference(q, cache, block_ids, ctx, scale)
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
-    else:  # only the output's rounding to bf16 differs
+    else:  # the output's rounding to bf16 (and with AMX the probabilities')
         torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
         assert (out.float() - ref.to(dtype).float()).abs().max() <= 2e-2
 
@@ -121,3 +125,50 @@ def test_supports() -> None:
     one_kv_head = torch.zeros(2, 4, 16, 1, 64)
     assert kernel.supports(one_kv_head, torch.zeros(3, kernel.max_group, 64))
     assert not kernel.supports(one_kv_head, torch.zeros(3, kernel.max_group + 1, 64))
+
+
+def amx_kernel() -> PagedPrefillKernel:
+    """The AMX kernel, or a skip where this CPU (or this process) has no AMX tiles."""
+    kernel = load_paged_prefill_amx()
+    if kernel is None:
+        pytest.skip("no AMX tiles on this CPU (or no compiler for them)")
+    return kernel
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    # Qwen3-0.6B's shape, the mid model's, a group filling a whole work item (32 rows), one
+    # that does not divide it, small blocks, the widest head_dim
+    [(16, 8, 128, 16), (16, 4, 64, 16), (32, 1, 64, 16), (6, 2, 32, 4), (3, 1, 64, 32),
+     (4, 2, 256, 16)],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    ("ctx", "q_len"),
+    # one query, partial and whole work items, several key blocks (128) with a partial last
+    # one, chunks after a cached prefix that is and is not a multiple of 32
+    [(0, 1), (0, 2), (0, 17), (0, 150), (1, 5), (37, 64), (100, 29), (256, 96), (0, 300)],
+)
+def test_amx_matches_sdpa(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, ctx: int, q_len: int
+) -> None:
+    kernel = amx_kernel()
+    _check_case(kernel, torch.bfloat16, heads, kv_heads, head_dim, block_size, ctx, q_len)
+
+
+def test_amx_supports() -> None:
+    kernel = amx_kernel()
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    assert kernel.supports(cache, torch.zeros(3, 8, 64, dtype=torch.bfloat16))
+    # bf16 only: fp32 keeps the fp32 kernel's arithmetic
+    assert not kernel.supports(cache.float(), torch.zeros(3, 8, 64))
+    # head_dim: whole tiles of 32, at most 256
+    for d in (48, 16, 512):
+        assert not kernel.supports(
+            torch.zeros(2, 4, 16, 2, d, dtype=torch.bfloat16),
+            torch.zeros(3, 8, d, dtype=torch.bfloat16),
+        )
+    # The query heads of one kv head share one work item of 32 rows.
+    assert kernel.max_group == 32
+    one = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)
+    assert kernel.supports(one, torch.zeros(3, 32, 64, dtype=torch.bfloat16))
+    assert not kernel.supports(one, torch.zeros(3, 33, 64, dtype=torch.bfloat16))

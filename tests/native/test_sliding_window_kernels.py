@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kvferry.native.paged_decode import load_paged_decode
 from kvferry.native.paged_prefill import load_paged_prefill
+from tests.native.test_paged_prefill import amx_kernel
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
@@ -73,11 +74,14 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     # several, chunks whose first queries' windows end before the chunk, window 1
     [(0, 40, 7), (0, 70, 20), (33, 29, 16), (100, 9, 5), (64, 64, 31), (50, 20, 1), (3, 4, 100)],
 )
+@pytest.mark.parametrize("amx", [False, True])
 def test_prefill_window(
     dtype: torch.dtype, heads: int, kv_heads: int, block_size: int, ctx: int, q_len: int,
-    window: int,
+    window: int, amx: bool,
 ) -> None:  # fmt: skip
-    kernel = load_paged_prefill()
+    if amx and dtype != torch.bfloat16:
+        pytest.skip("the AMX kernel is bf16 only")
+    kernel = amx_kernel() if amx else load_paged_prefill()
     assert kernel is not None
     head_dim = 32
     cache, block_ids = _pool(ctx + q_len, ctx, window, block_size, kv_heads, head_dim, dtype, ctx)

@@ -1,7 +1,7 @@
 """Every CPU path a model can take gives the same greedy tokens.
 
 bf16: oneDNN-packed bf16 weights and torch's bf16 product (native bf16 CPUs; with AMX also
-torch's SDPA for prefills in place of the paged C kernel), the C kernel's
+the AMX prefill attention kernel, and torch's SDPA in its place), the C kernel's
 AVX2 and portable variants (forced with KVFERRY_CPU_ISA), the C kernel with widening for large
 steps, and widening alone (the kernel unbuildable). fp32: the small-step C kernel in front of
 oneDNN (the AVX2 level), oneDNN alone (AVX-512, or the kernel unbuildable), oneDNN for small
@@ -106,9 +106,20 @@ def test_every_bf16_path_gives_the_same_tokens(
             assert f"linear=c-bf16-{isa}<={max_rows}rows" in line
         else:
             assert "linear=torch-bfloat16,widen" in line and "logits=fp32-copy" in line
-    # With AMX, torch's SDPA serves prefills (its bf16 tile products), the C kernel elsewhere.
-    prefill = "torch-sdpa" if own.amx_bf16 else "c-paged"
+    # With AMX, the AMX kernel serves prefills (bf16 tile products), the C kernel elsewhere;
+    # without the AMX kernel, torch's SDPA (its flash attention, on tiles too).
+    prefill = "c-paged-amx" if own.amx_bf16 else "c-paged"
     assert f"prefill_attention={prefill}" in runs["auto"]
+    if own.amx_bf16:
+        monkeypatch.setenv("KVFERRY_CPU_ISA", "avx512")  # this CPU's own level
+        monkeypatch.setattr(cpu_backend, "load_bf16_linear", real_loader)
+        real_amx = cpu_backend.load_paged_prefill_amx
+        monkeypatch.setattr(cpu_backend, "load_paged_prefill_amx", lambda: None)
+        cf.cpu_features.cache_clear()
+        got, line = generate(folder, caplog)
+        assert "prefill_attention=torch-sdpa" in line
+        assert_same_greedy(got, want, BF16_TIE, ("sdpa", line))
+        monkeypatch.setattr(cpu_backend, "load_paged_prefill_amx", real_amx)
     if own.native_bf16:  # the auto run took the packed bf16 weights
         assert any(
             f"linear={p}" in runs["auto"]

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "rows_linear.h"
 
@@ -333,39 +334,10 @@ rows_avx512bf16(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t sw,
  * x is the right one, laid out once per call in the tiles' pair order (for each pair of
  * inputs, the pair of every row of a block of 16 rows, zeros for rows past M). Each tile of
  * products is then 16 outputs for each of 16 x rows, transposed into out by the epilogue. */
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
-#define KVF_HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define TAMX_ATTR target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")
-#define TAMX __attribute__((TAMX_ATTR, always_inline)) static inline
+#if KVF_HAVE_AMX
 /* x blocks (16 rows each) one weight tile meets: as many accumulators as tiles are left
  * after the weight tile and the x tiles (8 in all). */
 #define AMX_MB 4
-
-/* Linux hands out the tile registers' state to processes that ask (once per process). */
-static int amx_permitted(void) {
-    static int state; /* 0 not asked, 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                    18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* Every tile 16 rows of 64 bytes: weights (16 rows x 32 bf16), x (16 pairs x 16 rows) and
- * products (16 outputs x 16 rows of fp32). oneDNN configures its own before each product, so
- * each call of this kernel does so too, and releases the tiles when done. */
-__attribute__((TAMX_ATTR)) static void amx_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    _tile_loadconfig(&cfg);
-}
 
 /* One block of products (16 outputs from n x 16 rows from m0, fp32, output-major) into out
  * for the mc rows that exist, with the inputs past kv (not a multiple of 32) and the bias. */
@@ -464,15 +436,12 @@ rows_amx(const uint32_t *xp, int64_t xstride, const uint16_t *x, int64_t sx, con
     _tile_release();
     if (n < n1) rows_avx512bf16(x, sx, w, sw, bias, M, n, n1, K, out, so);
 }
-#else
-#define KVF_HAVE_AMX 0
 #endif
 
 #define KVF_VARIANTS                                                                         \
     ((1 << KVF_SCALAR) | (1 << KVF_AVX2) | (1 << KVF_AVX512) | (1 << KVF_AVX512BF16) |       \
      (KVF_HAVE_AMX << KVF_AMX))
 #else
-#define KVF_HAVE_AMX 0
 #define KVF_VARIANTS (1 << KVF_SCALAR)
 #endif
 
