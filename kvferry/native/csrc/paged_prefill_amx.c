@@ -34,19 +34,17 @@
 #define KB 128      /* keys per block */
 #define MAX_D 256   /* head_dim limit (the output rows live in scratch) */
 #define NEG (-1e30f) /* finite: -ffast-math assumes no infinities */
+#define MAX_SLACK 8.0f
 
 int kvf_paged_prefill_amx_rows(void) { return ROWS; }
 
 #if KVF_HAVE_AMX
 int kvf_paged_prefill_amx_ready(void) { return amx_permitted() ? 0 : -1; }
 
-/* exp(x) for x <= 0 to about 3e-6 relative (the probabilities are rounded to bf16, 4e-3);
- * x below the fp32 range gives exactly 0. */
-TAMX __m512 vexp(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+/* 2^y for y <= 0 to about 3e-6 relative (the probabilities are rounded to bf16, 4e-3); below
+ * 2^-125 the result is some tiny normal number rather than 0, which no sum notices. */
+TAMX __m512 vexp2(__m512 y) {
+    y = _mm512_max_ps(y, _mm512_set1_ps(-125.0f));
     const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(y, n);
     __m512 p = _mm512_set1_ps(1.3333558e-3f);
@@ -55,8 +53,10 @@ TAMX __m512 vexp(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps((__mmask16)~under, p, n);
+    return _mm512_scalef_ps(p, n);
 }
+
+#define LOG2E 1.44269504088896341f
 
 /* Per-thread scratch. */
 typedef struct {
@@ -163,20 +163,24 @@ TAMX void softmax_row(scratch_t *w, int r, int64_t d, int64_t t0, int64_t n, flo
     }
     /* scale > 0: the max of the scaled scores is the scaled max. */
     const float m_old = w->m[r], m_blk = _mm512_reduce_max_ps(mx) * scale;
-    const float m_new = m_blk > m_old ? m_blk : m_old;
-    const __m512 sv = _mm512_set1_ps(scale), mv = _mm512_set1_ps(-m_new);
+    /* The running max moves only when a score passes it by more than MAX_SLACK: below that,
+     * probabilities up to e^MAX_SLACK are exact enough in fp32 and bf16 alike, and the row's
+     * output (on tiles, in memory) is not rescaled. */
+    const float m_new = m_blk > m_old + MAX_SLACK ? m_blk : m_old;
+    /* p = e^(s * scale - m) = 2^(s * scale * log2(e) - m * log2(e)) */
+    const __m512 sv = _mm512_set1_ps(scale * LOG2E), mv = _mm512_set1_ps(-m_new * LOG2E);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 32) {
         const __m512 a = _mm512_maskz_mov_ps(
-            keep[j / 16], vexp(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), sv, mv)));
+            keep[j / 16], vexp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), sv, mv)));
         const __m512 b = _mm512_maskz_mov_ps(
-            keep[j / 16 + 1], vexp(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), sv, mv)));
+            keep[j / 16 + 1], vexp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), sv, mv)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
         _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
     float alpha = 1.0f;
     if (m_new > m_old) {
-        const __m512 al = vexp(_mm512_set1_ps(m_old - m_new));
+        const __m512 al = vexp2(_mm512_set1_ps((m_old - m_new) * LOG2E));
         alpha = _mm512_cvtss_f32(al);
         float *o = w->o + r * d;
         for (int64_t e = 0; e < d; e += 16)
