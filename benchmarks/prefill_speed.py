@@ -116,8 +116,9 @@ def main() -> None:
     time_prompt(llm, random_tokens(rng, 256, vocab))  # warm-up: kernels, buffers
     workspace = llm.engine.executor.worker.model_runner.attn_workspace
     chosen = workspace.prefill_kernel
-    # The backend leaves the kernel out where SDPA is faster (bf16 with AMX); A/B loads it.
-    kernel = load_paged_prefill() if args.ab else chosen
+    # A/B: the kernel the backend chose (the AMX one for bf16 where the CPU has it), else the
+    # fp32-arithmetic kernel, against torch's SDPA.
+    kernel = (chosen or load_paged_prefill()) if args.ab else chosen
     variants = ["kernel", "torch"] if args.ab else ["default"]
     times: dict[tuple[str, int], list[float]] = {(x, n): [] for x in variants for n in args.lengths}
     for _ in range(args.rounds):
