@@ -38,8 +38,10 @@ class PagedPrefillKernel(PagedKVKernel):
     HEAD_DIM_MULTIPLE: int = 16
     MAX_HEAD_DIM: int | None = None
 
+    OWN_ARGTYPES: list[Any] = _ARGTYPES
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        super().__init__(lib, self.SYMBOL, _ARGTYPES, "paged prefill attention")
+        super().__init__(lib, self.SYMBOL, self.OWN_ARGTYPES, "paged prefill attention")
         # Query heads per kv head that one work item can stack (IROWS in the C source).
         rows = getattr(lib, f"{self.SYMBOL}_rows")
         rows.restype = ctypes.c_int
@@ -82,7 +84,12 @@ class PagedPrefillKernel(PagedKVKernel):
             heads // kv_heads,
             scale,
             window or 0,
+            *self._scratch(context_len + q_len, kv_cache),
         )
+
+    def _scratch(self, seq: int, kv_cache: torch.Tensor) -> tuple[int, ...]:
+        """Extra pointer arguments a variant's entry point takes (none here)."""
+        return ()
 
 
 class PagedPrefillAMXKernel(PagedPrefillKernel):
@@ -95,11 +102,27 @@ class PagedPrefillAMXKernel(PagedPrefillKernel):
     SYMBOL = "kvf_paged_prefill_amx"
     HEAD_DIM_MULTIPLE = 32
     MAX_HEAD_DIM = 256
+    OWN_ARGTYPES = [*_ARGTYPES, ctypes.c_void_p]  # the K/V layout buffer
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__(lib)
         if lib.kvf_paged_prefill_amx_ready() != 0:
             raise ValueError("the AMX tile state is not available to this process")
+        self._layout_elems = lib.kvf_paged_prefill_amx_layout_elems
+        self._layout_elems.argtypes = [ctypes.c_int64] * 3
+        self._layout_elems.restype = ctypes.c_int64
+        # Each call lays the sequence's keys and values out here; kept between calls (layers
+        # run one after another), since a fresh buffer of many MiB is paged in every time.
+        self._layout = torch.empty(0, dtype=torch.bfloat16)
+
+    def _scratch(self, seq: int, kv_cache: torch.Tensor) -> tuple[int, ...]:
+        need = int(self._layout_elems(seq, kv_cache.shape[4], kv_cache.shape[3]))
+        if self._layout.numel() < need:
+            # A normal tensor even when first needed under inference_mode, so that later
+            # calls under no_grad (or neither) may still write into it.
+            with torch.inference_mode(False):
+                self._layout = torch.empty(need, dtype=torch.bfloat16)
+        return (self._layout.data_ptr(),)
 
 
 def load_paged_prefill_amx() -> PagedPrefillAMXKernel | None:

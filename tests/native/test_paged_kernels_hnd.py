@@ -44,16 +44,15 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "amx"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 16), (4, 4, 4), (6, 3, 8)])
 @pytest.mark.parametrize(("ctx", "q_len", "window"), [(0, 40, None), (37, 29, None), (20, 30, 9)])
-@pytest.mark.parametrize("amx", [False, True])
 def test_prefill_reads_hnd_like_nhd(
     dtype: torch.dtype, heads: int, kv_heads: int, block_size: int, ctx: int, q_len: int,
     window: int | None, amx: bool,
 ) -> None:  # fmt: skip
-    if amx and dtype != torch.bfloat16:
-        pytest.skip("the AMX kernel is bf16 only")
     kernel = amx_kernel() if amx else load_paged_prefill()
     assert kernel is not None
     head_dim = 32

@@ -172,3 +172,16 @@ def test_amx_supports() -> None:
     one = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)
     assert kernel.supports(one, torch.zeros(3, 32, 64, dtype=torch.bfloat16))
     assert not kernel.supports(one, torch.zeros(3, 33, 64, dtype=torch.bfloat16))
+
+
+def test_amx_layout_buffer_kept_between_calls() -> None:
+    """The keys' and values' layout lives in one buffer that grows to the longest sequence
+    and is reused (a fresh one per call would be paged in every time); a shorter call after a
+    longer one still reads only its own keys."""
+    kernel = amx_kernel()
+    _check_case(kernel, torch.bfloat16, 16, 8, 128, 16, 256, 96)
+    buf = kernel._layout  # type: ignore[attr-defined]
+    _check_case(kernel, torch.bfloat16, 16, 8, 128, 16, 0, 17)
+    assert kernel._layout.data_ptr() == buf.data_ptr()  # type: ignore[attr-defined]
+    _check_case(kernel, torch.bfloat16, 16, 8, 128, 16, 1000, 300)
+    assert kernel._layout.numel() > buf.numel()  # type: ignore[attr-defined]

@@ -20,7 +20,9 @@
  * never computed; keys past a row's position (or before its window) get probability 0.
  *
  * Layouts as in paged_prefill.c; head_dim a multiple of 32, at most 256; group (query heads
- * per kv head) at most ROWS.
+ * per kv head) at most ROWS. `layout` is the caller's buffer for kt and vv:
+ * kvf_paged_prefill_amx_layout_elems(seq, d, num_kv_heads) bf16 elements, 64-byte aligned
+ * (reused across calls: a fresh one per call would be paged in every time).
  */
 #define _DEFAULT_SOURCE /* syscall(), for the request for the tile state */
 #include <stdint.h>
@@ -37,6 +39,10 @@
 #define MAX_SLACK 8.0f
 
 int kvf_paged_prefill_amx_rows(void) { return ROWS; }
+
+int64_t kvf_paged_prefill_amx_layout_elems(int64_t seq, int64_t d, int64_t num_kv_heads) {
+    return 2 * ((seq + KB - 1) / KB * KB) * d * num_kv_heads;
+}
 
 #if KVF_HAVE_AMX
 int kvf_paged_prefill_amx_ready(void) { return amx_permitted() ? 0 : -1; }
@@ -237,7 +243,8 @@ kvf_paged_prefill_amx_bf16(const uint16_t *q, int64_t q_row_stride, const uint16
                            int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
                            int64_t d, int64_t tok_stride, int64_t head_stride,
                            const int64_t *table, int64_t ctx, int64_t q_len, int64_t group,
-                           float scale, int64_t window, uint16_t *out, int num_threads) {
+                           float scale, int64_t window, uint16_t *layout, uint16_t *out,
+                           int num_threads) {
     if (group > ROWS || d % 32 || d > MAX_D || !amx_permitted()) return -2;
     const int64_t block_elems = block_size * num_kv_heads * d;
     const uint16_t *vals = cache + num_blocks * block_elems;
@@ -246,9 +253,7 @@ kvf_paged_prefill_amx_bf16(const uint16_t *q, int64_t q_row_stride, const uint16
     const int64_t t_first = window > 0 && ctx >= window ? ctx - window + 1 : 0;
     const int64_t t_lo = t_first / 32 * 32;
     const int64_t per_head = seq_pad * d; /* elements of kt (and of vv) per kv head */
-    uint16_t *kt = aligned_alloc(64, sizeof(uint16_t) * 2 * per_head * num_kv_heads);
-    if (kt == NULL) return -1;
-    uint16_t *vv = kt + per_head * num_kv_heads;
+    uint16_t *kt = layout, *vv = kt + per_head * num_kv_heads;
     const int64_t qn = ROWS / group; /* queries per item */
     const int64_t tiles = (q_len + qn - 1) / qn, items = tiles * num_kv_heads;
     const int64_t heads = num_kv_heads * group;
@@ -310,7 +315,6 @@ kvf_paged_prefill_amx_bf16(const uint16_t *q, int64_t q_row_stride, const uint16
         if (w != NULL) _tile_release();
         free(w);
     }
-    free(kt);
     return failed ? -1 : 0;
 }
 #else
@@ -319,7 +323,8 @@ int kvf_paged_prefill_amx_bf16(const uint16_t *q, int64_t q_row_stride, const ui
                                int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
                                int64_t d, int64_t tok_stride, int64_t head_stride,
                                const int64_t *table, int64_t ctx, int64_t q_len, int64_t group,
-                               float scale, int64_t window, uint16_t *out, int num_threads) {
+                               float scale, int64_t window, uint16_t *layout, uint16_t *out,
+                               int num_threads) {
     return -2;
 }
 #endif
