@@ -18,7 +18,8 @@ Which path serves what (all on CPU):
   at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows run its AVX-512 variant. Where torch has no oneDNN the
   weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
   elementwise steps. On AVX-512, steps of :data:`F32_PAD_MIN_ROWS` rows or more run on rows
-  padded to a multiple of :data:`F32_ROW_MULTIPLE`.
+  padded to a multiple of :data:`F32_ROW_MULTIPLE` (bf16 on AMX: steps past
+  :data:`BF16_AMX_MAX_ROWS` rows, to a multiple of :data:`BF16_AMX_ROW_MULTIPLE`).
 * bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
   weight for the larger steps (with AMX up to :data:`BF16_AMX_PACKED_MAX_ROWS` rows, the
   plain weight beyond). With AMX, steps of at most :data:`BF16_AMX_MAX_ROWS` rows
@@ -118,6 +119,11 @@ BF16_AMX_PACKED_MAX_ROWS = 383
 # (DecoderModel.row_multiple).
 F32_ROW_MULTIPLE = 8
 F32_PAD_MIN_ROWS = 256
+# bf16 on AMX: oneDNN builds a GEMM plan for each row count the first time it meets one (over
+# the 0.6B layers' four shapes ~50 ms, paid by the step that first has that many rows: a
+# request's first token), and computes in tiles of 16 rows; so steps past the AMX C kernel's
+# rows run on rows padded to a multiple of 16: no more tiles, a 16th of the plans.
+BF16_AMX_ROW_MULTIPLE = 16
 
 
 def _native_fp16_matmul(features: CPUFeatures) -> bool:
@@ -377,6 +383,10 @@ class CPUBackend:
             model.model.row_multiple = F32_ROW_MULTIPLE
             model.model.pad_min_rows = F32_PAD_MIN_ROWS
             self.paths.update(row_pad=f"{F32_ROW_MULTIPLE}>={F32_PAD_MIN_ROWS}rows")
+        elif self.dtype == torch.bfloat16 and self.native_half and self.features.amx_bf16:
+            model.model.row_multiple = BF16_AMX_ROW_MULTIPLE
+            model.model.pad_min_rows = BF16_AMX_MAX_ROWS + 1
+            self.paths.update(row_pad=f"{BF16_AMX_ROW_MULTIPLE}>={BF16_AMX_MAX_ROWS + 1}rows")
         for module in model.modules():
             if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
                 module.fused = self.fused_ops

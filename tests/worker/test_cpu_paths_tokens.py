@@ -1,7 +1,8 @@
 """Every CPU path a model can take gives the same greedy tokens.
 
 bf16: oneDNN-packed bf16 weights and torch's bf16 product (native bf16 CPUs; with AMX also
-the AMX prefill attention kernel, and torch's SDPA in its place), the C kernel's
+the AMX prefill attention kernel, and torch's SDPA in its place, and steps padded to a
+multiple of 16 rows), the C kernel's
 AVX2 and portable variants (forced with KVFERRY_CPU_ISA), the C kernel with widening for large
 steps, and widening alone (the kernel unbuildable). fp32: the small-step C kernel in front of
 oneDNN (the AVX2 level), oneDNN alone (AVX-512, or the kernel unbuildable), oneDNN for small
@@ -101,7 +102,7 @@ def test_every_bf16_path_gives_the_same_tokens(
         runs[f"{isa}-{kernel}-{max_rows}"] = line
         assert_same_greedy(got, want, BF16_TIE, (isa, kernel, max_rows, line))
         assert "native_bf16=False" in line and f"isa={isa}" in line
-        assert "prefill_attention=c-paged" in line
+        assert "prefill_attention=c-paged" in line and "row_pad" not in line
         if kernel:
             assert f"linear=c-bf16-{isa}<={max_rows}rows" in line
         else:
@@ -154,6 +155,9 @@ def test_every_bf16_path_gives_the_same_tokens(
             assert_same_greedy(got, want, BF16_TIE, ("amx", amx_rows, kernel, line))
             first = f"c-bf16-amx<={amx_rows}rows" if kernel else "c-bf16-avx512bf16<=1rows"
             assert f"linear={first},onednn-bfloat16-packed<={packed_rows}rows,torch" in line
+            # Steps past the AMX kernel's rows run on rows padded to a multiple of 16 (with
+            # 4 rows, every prefill step here).
+            assert f"row_pad={cpu_backend.BF16_AMX_ROW_MULTIPLE}>={amx_rows + 1}rows" in line
         monkeypatch.setattr(cpu_backend, "BF16_AMX_PACKED_MAX_ROWS", chosen)
     if own.bf16_dot:
         # The dot-product kernel in front of the packed weights: for one-row steps (as
