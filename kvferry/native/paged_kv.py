@@ -35,9 +35,9 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 class PagedKVKernel:
     """A C attention kernel reading K/V in place from a ``(2, num_blocks, block_size,
     kv_heads, head_dim)`` pool in either layout (the token and head strides are passed in);
-    ``<symbol>_f32`` and ``<symbol>_bf16`` are its entry points (those of its ``DTYPES``). :meth:`supports` is what every
-    such kernel needs (CPU, fp32 or bf16, a cache dense in NHD or HND order); subclasses add
-    their own limits."""
+    ``<symbol>_f32`` and ``<symbol>_bf16`` are its entry points (those of its ``DTYPES``).
+    :meth:`supports` is what every such kernel needs (CPU, fp32 or bf16, a cache dense in NHD
+    or HND order); subclasses add their own limits."""
 
     DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 

@@ -34,6 +34,7 @@ class PagedPrefillKernel(PagedKVKernel):
     """
 
     SYMBOL = "kvf_paged_prefill"
+    PATH = "c-paged"  # as the CPU paths line names it
     # The fp32 arithmetic of csrc/paged_prefill.c serves any head_dim that is a multiple of it.
     HEAD_DIM_MULTIPLE: int = 16
     MAX_HEAD_DIM: int | None = None
@@ -100,6 +101,7 @@ class PagedPrefillAMXKernel(PagedPrefillKernel):
 
     DTYPES = (torch.bfloat16,)
     SYMBOL = "kvf_paged_prefill_amx"
+    PATH = "c-paged-amx"
     HEAD_DIM_MULTIPLE = 32
     MAX_HEAD_DIM = 256
     OWN_ARGTYPES = [*_ARGTYPES, ctypes.c_void_p]  # the K/V layout buffer

@@ -64,7 +64,6 @@ from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.kv_write import KVWriteKernel, load_kv_write
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 from kvferry.native.paged_prefill import (
-    PagedPrefillAMXKernel,
     PagedPrefillKernel,
     load_paged_prefill,
     load_paged_prefill_amx,
@@ -395,7 +394,7 @@ class CPUBackend:
         self.paths.update(
             fused_ops="c" if self.fused_ops is not None else "torch",
             decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",
-            prefill_attention=_prefill_path(self.prefill_kernel),
+            prefill_attention=self.prefill_kernel.PATH if self.prefill_kernel else "torch-sdpa",
             kv_write="c" if self.write_kernel is not None else "torch",
             argmax="c" if self.argmax is not None else "torch",
             mlp_chunk=f"{MLP_CHUNK_BYTES >> 20}MiB",
@@ -463,9 +462,3 @@ def _logits_weight(model: CausalLM) -> torch.Tensor:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _prefill_path(kernel: PagedPrefillKernel | None) -> str:
-    if kernel is None:
-        return "torch-sdpa"
-    return "c-paged-amx" if isinstance(kernel, PagedPrefillAMXKernel) else "c-paged"

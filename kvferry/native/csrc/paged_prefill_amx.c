@@ -74,12 +74,12 @@ typedef struct {
     int32_t lim[ROWS];         /* last key position each row may see */
 } scratch_t;
 
-/* Scores of key tiles [kt0, kt0 + nt) (16 keys each) for the item's two row tiles. */
-TAMX void scores(const scratch_t *w, const uint16_t *kt, int64_t d, int64_t kt0, int64_t nt,
-                 float *s) {
+/* Scores of key tiles [kt0, kt0 + nt) (16 keys each; nt even) for the item's two row tiles,
+ * into w->s. */
+TAMX void scores(scratch_t *w, const uint16_t *kt, int64_t d, int64_t kt0, int64_t nt) {
     const int64_t tile_elems = 16 * d; /* one key tile of kt: d / 2 pairs x 16 keys x 2 */
+    float *s = w->s;
     for (int64_t t = 0; t < nt; t += 2) {
-        const int two = t + 1 < nt;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -90,31 +90,24 @@ TAMX void scores(const scratch_t *w, const uint16_t *kt, int64_t d, int64_t kt0,
             _tile_loadd(6, kt + (kt0 + t) * tile_elems + c * 16, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 5, 6);
-            if (two) {
-                _tile_loadd(7, kt + (kt0 + t + 1) * tile_elems + c * 16, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            _tile_loadd(7, kt + (kt0 + t + 1) * tile_elems + c * 16, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
         }
         _tile_stored(0, s + t * 16, KB * 4);
         _tile_stored(1, s + 16 * KB + t * 16, KB * 4);
-        if (two) {
-            _tile_stored(2, s + (t + 1) * 16, KB * 4);
-            _tile_stored(3, s + 16 * KB + (t + 1) * 16, KB * 4);
-        }
+        _tile_stored(2, s + (t + 1) * 16, KB * 4);
+        _tile_stored(3, s + 16 * KB + (t + 1) * 16, KB * 4);
     }
 }
 
-/* o[rows x d] += p[rows x n] . v[n x d] for n keys (a multiple of 32) from key t0. */
+/* o[rows x d] += p[rows x n] . v[n x d] for n keys from key t0 (n and d multiples of 32). */
 TAMX void values(scratch_t *w, const uint16_t *vv, int64_t d, int64_t t0, int64_t n) {
     for (int64_t e = 0; e < d; e += 32) {
-        const int two = e + 16 < d;
         _tile_loadd(0, w->o + e, d * 4);
         _tile_loadd(1, w->o + 16 * d + e, d * 4);
-        if (two) {
-            _tile_loadd(2, w->o + e + 16, d * 4);
-            _tile_loadd(3, w->o + 16 * d + e + 16, d * 4);
-        }
+        _tile_loadd(2, w->o + e + 16, d * 4);
+        _tile_loadd(3, w->o + 16 * d + e + 16, d * 4);
         for (int64_t j = 0; j < n; j += 32) {
             _tile_loadd(4, w->p + j, KB * 2);
             _tile_loadd(5, w->p + 16 * KB + j, KB * 2);
@@ -122,18 +115,14 @@ TAMX void values(scratch_t *w, const uint16_t *vv, int64_t d, int64_t t0, int64_
             _tile_loadd(6, vb + e * 2, d * 4);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 5, 6);
-            if (two) {
-                _tile_loadd(7, vb + (e + 16) * 2, d * 4);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            _tile_loadd(7, vb + (e + 16) * 2, d * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
         }
         _tile_stored(0, w->o + e, d * 4);
         _tile_stored(1, w->o + 16 * d + e, d * 4);
-        if (two) {
-            _tile_stored(2, w->o + e + 16, d * 4);
-            _tile_stored(3, w->o + 16 * d + e + 16, d * 4);
-        }
+        _tile_stored(2, w->o + e + 16, d * 4);
+        _tile_stored(3, w->o + 16 * d + e + 16, d * 4);
     }
 }
 
@@ -145,7 +134,7 @@ TAMX void softmax_row(scratch_t *w, int r, int64_t d, int64_t t0, int64_t n, flo
     const float *s = w->s + r * KB;
     uint16_t *p = w->p + r * KB;
     const int64_t lim = w->lim[r];
-    __mmask16 keep[KB / 16];
+    __mmask16 keep[KB / 16], any = 0;
     __m512 mx = _mm512_set1_ps(NEG);
     for (int64_t j = 0; j < n; j += 16) {
         __mmask16 k = 0xffff;
@@ -159,10 +148,9 @@ TAMX void softmax_row(scratch_t *w, int r, int64_t d, int64_t t0, int64_t n, flo
                                            _MM_CMPINT_GT);
         }
         keep[j / 16] = k;
+        any |= k;
         mx = _mm512_mask_max_ps(mx, k, mx, _mm512_loadu_ps(s + j));
     }
-    __mmask16 any = 0;
-    for (int64_t j = 0; j < n; j += 16) any |= keep[j / 16];
     if (!any) { /* no key of this block is visible to the row */
         memset(p, 0, n * sizeof(uint16_t));
         return;
@@ -204,16 +192,12 @@ TAMX void lay_out(const uint16_t *cache, const uint16_t *vals, int64_t block_siz
                   int64_t t_lo, int64_t t_hi, uint16_t *kt, uint16_t *vv) {
     for (int64_t t = t_lo; t < t_hi; t += 2) {
         const uint16_t *k0 = 0, *k1 = 0, *v0 = 0, *v1 = 0;
-        if (t >= t_first && t < seq) {
-            const int64_t off = table[t / block_size] * block_elems +
-                                (t % block_size) * tok_stride + h * head_stride;
-            k0 = cache + off, v0 = vals + off;
-        }
-        if (t + 1 >= t_first && t + 1 < seq) {
-            const int64_t off = table[(t + 1) / block_size] * block_elems +
-                                ((t + 1) % block_size) * tok_stride + h * head_stride;
-            k1 = cache + off, v1 = vals + off;
-        }
+        /* Token u's head h: u / block_size's block, row u % block_size. */
+#define TOKEN(u)                                                                             \
+    (table[(u) / block_size] * block_elems + ((u) % block_size) * tok_stride + h * head_stride)
+        if (t >= t_first && t < seq) k0 = cache + TOKEN(t), v0 = vals + TOKEN(t);
+        if (t + 1 >= t_first && t + 1 < seq) k1 = cache + TOKEN(t + 1), v1 = vals + TOKEN(t + 1);
+#undef TOKEN
         /* kt: key t's dim pair i at [t / 16][i][t % 16] (32 bits). */
         uint32_t *kd = (uint32_t *)(kt + (t / 16) * 16 * d) + t % 16;
         for (int64_t i = 0; i < d / 2; i++) {
@@ -299,7 +283,7 @@ kvf_paged_prefill_amx_bf16(const uint16_t *q, int64_t q_row_stride, const uint16
             for (int64_t t0 = kstart; t0 < kend; t0 += KB) {
                 const int64_t n = (kend - t0 < KB ? (kend - t0 + 31) / 32 * 32 : KB);
                 const int edge = t0 + n - 1 > lim0 || t0 <= lo_edge;
-                scores(w, kth, d, t0 / 16, n / 16, w->s);
+                scores(w, kth, d, t0 / 16, n / 16);
                 for (int r = 0; r < ROWS; r++) softmax_row(w, r, d, t0, n, scale, window, edge);
                 values(w, vvh, d, t0, n);
             }
