@@ -15,7 +15,9 @@ Which path serves what (all on CPU):
   takes generic kernels); below AVX2 it serves small steps (decode) and MKL the rest. At the
   AVX2 level, steps of at most :data:`F32_KERNEL_MAX_ROWS` rows (decode, the logits) run a C
   kernel on the dense weight instead, which beats oneDNN there; at the AVX-512 level, steps of
-  at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows run its AVX-512 variant. Where torch has no oneDNN the
+  at most :data:`F32_PANEL_MAX_ROWS` rows run a C kernel on a third copy of the weight, laid
+  out in panels of outputs (it overlaps reading the weights with computing on them, where
+  oneDNN does one after the other). Where torch has no oneDNN the
   weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
   elementwise steps. On AVX-512, steps of :data:`F32_PAD_MIN_ROWS` rows or more run on rows
   padded to a multiple of :data:`F32_ROW_MULTIPLE` (bf16 on AMX: steps past
@@ -60,6 +62,7 @@ from kvferry.model.llama import CausalLM, DecoderAttention
 from kvferry.native.argmax import ArgmaxKernel, load_argmax
 from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
 from kvferry.native.f32_linear import load_f32_linear
+from kvferry.native.f32_panel_linear import F32PanelLinearKernel, load_f32_panel_linear
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.kv_write import KVWriteKernel, load_kv_write
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
@@ -95,10 +98,13 @@ BF16_KERNEL_MAX_ROWS = 128
 # oneDNN's small steps neither stream the weight at the memory rate nor compute at the GEMM
 # rate; the two cross near 40 rows on the benchmark models' shapes.
 F32_KERNEL_MAX_ROWS = 32
-# At the AVX-512 level the kernel's AVX-512 variant streams each weight once for up to 8 rows
-# (tiles 8 rows deep) and still leads oneDNN's packed GEMM at 16 (Intel Xeon with AMX; level
-# at 32).
-F32_KERNEL_MAX_ROWS_AVX512 = 16
+# At the AVX-512 level the kernel's AVX-512 variant streams the dense weight at the memory rate
+# for steps of one or two rows, 5-10% ahead of the panel kernel there (Intel Xeon with AMX).
+F32_KERNEL_MAX_ROWS_AVX512 = 2
+# At the AVX-512 level, up to this many rows the panel kernel (csrc/f32_panel_linear.c) beats
+# oneDNN's packed GEMM with the weights coming from memory, as in an engine step: 1.2-1.5x at
+# 8-64 rows, level at 128 (Intel Xeon with AMX, docs/benchmarks.md).
+F32_PANEL_MAX_ROWS = 128
 # Up to this many rows the bf16 C kernel's AMX variant beats oneDNN's packed bf16 GEMM (on AMX
 # as well): it reads each dense weight once, in place, near the memory rate, where oneDNN's
 # small steps stay well below it; the two are level at 128 and oneDNN leads at 192 (Intel
@@ -282,6 +288,36 @@ class SmallStepsLinear:
         return self.rest(x, weight, bias)
 
 
+class PanelStepsLinear:
+    """A ``Linear.kernel``: the fp32 panel kernel on its own copy of the weight (``panels``,
+    of ``n`` outputs) for 2-D steps of at most ``max_rows`` rows, ``rest`` for the others."""
+
+    def __init__(
+        self,
+        kernel: F32PanelLinearKernel,
+        panels: torch.Tensor,
+        n: int,
+        max_rows: int,
+        rest: LinearKernel,
+    ) -> None:
+        self.kernel = kernel
+        self.panels = panels
+        self.n = n
+        self.max_rows = max_rows
+        self.rest = rest
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if (
+            x.dim() == 2
+            and x.shape[0] <= self.max_rows
+            and self.kernel.supports(x, weight.shape[1])
+        ):
+            return self.kernel(x, self.panels, self.n, bias)
+        return self.rest(x, weight, bias)
+
+
 class BF16Linear(SmallStepsLinear):
     """A ``Linear.kernel`` for bf16 on a CPU without bf16 instructions: the C kernel for 2-D
     steps of at most ``max_rows`` rows (reading the bf16 weight once), the weight widened to
@@ -314,6 +350,8 @@ class CPUBackend:
         self.bf16_linear: BF16LinearKernel | None = None
         # A C kernel in front of the packed weights, for steps of at most so many rows.
         self.small_steps: tuple[RowsLinearKernel, int] | None = None
+        # fp32 on AVX-512: the panel kernel in front of them instead.
+        self.panel_linear: F32PanelLinearKernel | None = None
         if dtype == torch.bfloat16:
             self.native_half = self.features.native_bf16
         else:
@@ -344,6 +382,7 @@ class CPUBackend:
                 small, rows = load_f32_linear("avx2"), F32_KERNEL_MAX_ROWS
             elif dtype == torch.float32 and self.features.isa == "avx512":
                 small, rows = load_f32_linear("avx512"), F32_KERNEL_MAX_ROWS_AVX512
+                self.panel_linear = load_f32_panel_linear()
             if small is not None:
                 self.small_steps = small, rows
             self.argmax = load_argmax()
@@ -418,7 +457,7 @@ class CPUBackend:
         """Each weight (fp32, or bf16 on a CPU with bf16 instructions) gets a oneDNN-packed
         copy for the steps :func:`packed_max_rows` gives it, which doubles the memory the
         weights take; other steps use the dense weight, whose layout does not matter there.
-        Where torch has no oneDNN, fp32 weights become input-major instead, which MKL streams
+        fp32 on AVX-512 adds the panel kernel's copy (three copies in all). Where torch has no oneDNN, fp32 weights become input-major instead, which MKL streams
         faster for steps of a few rows; bf16 ones stay as they are."""
         rows = packed_max_rows(self.features, self.dtype)
         scope = "all-rows" if rows is None else f"<={rows}rows,torch"
@@ -432,26 +471,44 @@ class CPUBackend:
                     layout = "input-major" if self.dtype == torch.float32 else _name(self.dtype)
                     self.paths.update(linear=f"torch-{layout}")
                 else:
-                    module.kernel = self._small_steps(CPULinear(packed, max_rows=rows))
+                    module.kernel = self._small_steps(
+                        CPULinear(packed, max_rows=rows), module.weight
+                    )
         if model.tie_word_embeddings:
-            packed = pack_weight(model.model.embed_tokens.weight.data)
+            embed = model.model.embed_tokens.weight
+            packed = pack_weight(embed.data)
             model.logits_kernel = (
-                None if packed is None else self._small_steps(CPULinear(packed, max_rows=rows))
+                None
+                if packed is None
+                else self._small_steps(CPULinear(packed, max_rows=rows), embed)
             )
         else:
             model.logits_kernel = model.lm_head.kernel
-        if self.small_steps is not None and self.paths["linear"].startswith("onednn"):
-            kernel, rows = self.small_steps
-            name = f"c-{kernel.NAME.removesuffix('_linear')}-{kernel.variant}<={rows}rows,"
+        if self.paths["linear"].startswith("onednn"):
+            name = ""
+            if self.small_steps is not None:
+                kernel, rows = self.small_steps
+                name = f"c-{kernel.NAME.removesuffix('_linear')}-{kernel.variant}<={rows}rows,"
+            if self.panel_linear is not None:
+                name += f"c-f32-panels<={F32_PANEL_MAX_ROWS}rows,"
             self.paths.update(linear=name + self.paths["linear"])
         self.paths.update(logits=self.paths["linear"])
 
-    def _small_steps(self, rest: CPULinear) -> SmallStepsLinear | CPULinear:
-        """``rest``, with the C kernel for small steps in front of it where this backend has
-        one."""
+    def _small_steps(
+        self, rest: CPULinear, weight: torch.Tensor
+    ) -> PanelStepsLinear | SmallStepsLinear | CPULinear:
+        """``rest``, with the C kernels for small steps in front of it where this backend has
+        them: the panel kernel (which gets its copy of ``weight`` here), and in front of that
+        the dense-weight kernel."""
+        hook: PanelStepsLinear | SmallStepsLinear | CPULinear = rest
+        if self.panel_linear is not None:
+            panels = self.panel_linear.pack(weight.data)
+            hook = PanelStepsLinear(
+                self.panel_linear, panels, weight.shape[0], F32_PANEL_MAX_ROWS, rest
+            )
         if self.small_steps is None:
-            return rest
-        return SmallStepsLinear(*self.small_steps, rest)
+            return hook
+        return SmallStepsLinear(*self.small_steps, hook)
 
 
 def _logits_weight(model: CausalLM) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The linear hooks of the CPU backend: oneDNN-packed bf16 weights where the CPU has bf16
 instructions, the bf16 C kernel with widening above its row limit where it has not, and the
-fp32 small-step kernel in front of another path."""
+fp32 small-step kernels (dense-weight and panel) in front of another path."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ import torch.nn.functional as F
 
 from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
 from kvferry.native.f32_linear import load_f32_linear
+from kvferry.native.f32_panel_linear import load_f32_panel_linear
 from kvferry.worker import cpu_backend
-from kvferry.worker.cpu_backend import BF16Linear, SmallStepsLinear, cpu_linear, pack_weight
+from kvferry.worker.cpu_backend import (
+    BF16Linear,
+    PanelStepsLinear,
+    SmallStepsLinear,
+    cpu_linear,
+    pack_weight,
+)
 
 
 @pytest.mark.parametrize(
@@ -48,6 +55,17 @@ class Spy:
         return self.kernel(x, w, b)
 
 
+class Rest:
+    """``F.linear`` as the path behind a hook, recording the row count of each call."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return F.linear(x, w, b)
+
+
 def test_kernel_hook_widens_above_its_row_limit() -> None:
     kernel = load_bf16_linear("scalar")
     if kernel is None:
@@ -70,12 +88,7 @@ def test_small_steps_hook_sends_larger_steps_to_the_rest() -> None:
     if kernel is None:
         pytest.skip("native kernels are off or unbuildable here")
     spy = Spy(kernel)  # type: ignore[arg-type]
-    rest_rows: list[int] = []
-
-    def rest(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        rest_rows.append(x.shape[0])
-        return F.linear(x, w, b)
-
+    rest = Rest()
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
     for hook in (SmallStepsLinear(spy, 4, rest), SmallStepsLinear(spy, 4, F.linear)):  # type: ignore[arg-type]
@@ -85,7 +98,28 @@ def test_small_steps_hook_sends_larger_steps_to_the_rest() -> None:
         # a bf16 input is not the kernel's: it goes to the rest whatever its size
         hook(torch.randn(2, 32, generator=g).bfloat16(), w.bfloat16(), None)
     assert spy.calls == [1, 4, 1, 4]
-    assert rest_rows == [5, 2]
+    assert rest.rows == [5, 2]
+
+
+def test_panel_hook_serves_small_2d_fp32_steps_from_its_own_copy() -> None:
+    if cpu_backend.cpu_features().cpu_isa != "avx512":
+        pytest.skip("needs an AVX-512 CPU")
+    kernel = load_f32_panel_linear()
+    if kernel is None:
+        pytest.skip("native kernels are off or unbuildable here")
+    rest = Rest()
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(50, 32, generator=g), torch.randn(50, generator=g)
+    hook = PanelStepsLinear(kernel, kernel.pack(w), 50, 4, rest)
+    for rows in (1, 4, 5):
+        x = torch.randn(rows, 32, generator=g)
+        torch.testing.assert_close(hook(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    hook(torch.randn(2, 3, 32, generator=g), w, None)  # not 2-D
+    hook(torch.randn(2, 32, generator=g).bfloat16(), w.bfloat16(), None)
+    assert rest.rows == [5, 2, 2]
+    # The kernel reads its panels, not the weight it is handed: the copy made at load time.
+    x = torch.randn(3, 32, generator=g)
+    torch.testing.assert_close(hook(x, torch.zeros_like(w), b), F.linear(x, w, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -190,28 +190,37 @@ def test_every_fp32_path_gives_the_same_tokens(
     if own.cpu_isa == "scalar":
         pytest.skip("needs an AVX2 CPU")
     real_loader = cpu_backend.load_f32_linear
+    real_panels = cpu_backend.load_f32_panel_linear
     want: Outputs | None = None
-    # (level cap, whether the fp32 kernel builds, the linear path the backend must log)
+    # (level cap, whether the dense-weight kernel builds, whether the panel kernel does, the
+    # linear path the backend must log)
     small = f"c-f32-avx2<={cpu_backend.F32_KERNEL_MAX_ROWS}rows,"
+    onednn = "onednn-float32-packedall-rows"
     cases = [
-        ("avx2", True, small + "onednn-float32-packedall-rows"),
-        ("avx2", False, "onednn-float32-packedall-rows"),
-        ("scalar", True, f"onednn-float32-packed<={cpu_backend.PACKED_MAX_ROWS}rows,torch"),
+        ("avx2", True, True, small + onednn),
+        ("avx2", False, True, onednn),
+        ("scalar", True, True, f"onednn-float32-packed<={cpu_backend.PACKED_MAX_ROWS}rows,torch"),
     ]
     if own.cpu_isa == "avx512":
-        wide = f"c-f32-avx512<={cpu_backend.F32_KERNEL_MAX_ROWS_AVX512}rows,"
-        cases.append(("avx512", True, wide + "onednn-float32-packedall-rows"))
-        cases.append(("avx512", False, "onednn-float32-packedall-rows"))
-    for isa, kernel, path in cases:
+        dense = f"c-f32-avx512<={cpu_backend.F32_KERNEL_MAX_ROWS_AVX512}rows,"
+        panels = f"c-f32-panels<={cpu_backend.F32_PANEL_MAX_ROWS}rows,"
+        cases.append(("avx512", True, True, dense + panels + onednn))
+        cases.append(("avx512", False, True, panels + onednn))
+        cases.append(("avx512", True, False, dense + onednn))
+        cases.append(("avx512", False, False, onednn))
+    for isa, kernel, panel, path in cases:
         monkeypatch.setenv("KVFERRY_CPU_ISA", isa)
         monkeypatch.setattr(
             cpu_backend, "load_f32_linear", real_loader if kernel else lambda variant: None
         )
+        monkeypatch.setattr(
+            cpu_backend, "load_f32_panel_linear", real_panels if panel else lambda: None
+        )
         cf.cpu_features.cache_clear()
         got, line = generate(folder, caplog, dtype="float32")
-        assert f"linear={path} logits={path}" in line, (isa, kernel, line)
+        assert f"linear={path} logits={path}" in line, (isa, kernel, panel, line)
         want = want or got
-        assert [ids for ids, _ in got] == [ids for ids, _ in want], (isa, kernel, line)
+        assert [ids for ids, _ in got] == [ids for ids, _ in want], (isa, kernel, panel, line)
     if own.cpu_isa == "avx512":
         # Every step of 8 rows or more padded to a multiple of 8 (from 256 rows as chosen).
         monkeypatch.setenv("KVFERRY_CPU_ISA", "avx512")
