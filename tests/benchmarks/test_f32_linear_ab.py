@@ -1,4 +1,5 @@
-"""The fp32 linear-kernel A/B benchmark runs end to end on a tiny model, at the AVX2 level."""
+"""The linear-kernel A/B benchmark runs end to end on a tiny model: fp32 at the AVX2 level, bf16,
+and the fp32 panel kernel at the AVX-512 level."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from benchmarks import f32_linear_ab
 from kvferry.native.bf16_linear import load_bf16_linear
 from kvferry.native.f32_linear import load_f32_linear
+from kvferry.native.f32_panel_linear import load_f32_panel_linear
 from kvferry.worker import cpu_features as cf
 
 
@@ -50,4 +52,17 @@ def test_bf16_dot_kernel_runs_paired_rounds_against_onednn(
     ab = ["--dtype", "bfloat16", "--rounds", "2", "--max-rows", "1", "--out", str(out)]
     f32_linear_ab.main([*args, *ab])
     rates = json.loads(out.read_text())["max_rows"]["1"]["tokens_per_s"]
+    assert len(rates["kernel"]) == len(rates["onednn"]) == 2
+
+
+def test_panel_kernel_runs_paired_rounds_against_onednn(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    if cf.cpu_features().cpu_isa != "avx512" or load_f32_panel_linear() is None:
+        pytest.skip("needs an AVX-512 CPU and a C compiler")
+    out = tmp_path / "ab.json"
+    args = ["--model", str(tiny_model_factory()), "--prompts", "4", "--max-tokens", "4"]
+    ab = ["--kernel", "panels", "--rounds", "2", "--max-rows", "128", "--out", str(out)]
+    f32_linear_ab.main([*args, *ab])
+    rates = json.loads(out.read_text())["max_rows"]["128"]["tokens_per_s"]
     assert len(rates["kernel"]) == len(rates["onednn"]) == 2
