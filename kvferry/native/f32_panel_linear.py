@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from kvferry.native.build import load_library
 
@@ -41,9 +40,14 @@ class F32PanelLinearKernel:
         if weight.dtype != torch.float32 or weight.dim() != 2:
             raise ValueError("f32_panel_linear packs 2-D fp32 weights")
         n, k = weight.shape
-        count = -(-n // self.width)
-        padded = F.pad(weight, (0, 0, 0, count * self.width - n))
-        return padded.view(count, self.width, k).transpose(1, 2).contiguous().view(-1)
+        full, w = divmod(n, self.width)
+        panels = torch.empty(full + (w > 0), k, self.width)
+        # One pass over the weight (it may be gigabytes): whole panels, then the last one.
+        panels[:full].copy_(weight[: full * self.width].view(full, self.width, k).transpose(1, 2))
+        if w:
+            panels[full, :, w:] = 0.0
+            panels[full, :, :w].copy_(weight[full * self.width :].t())
+        return panels.view(-1)
 
     @staticmethod
     def supports(x: torch.Tensor, k: int) -> bool:
