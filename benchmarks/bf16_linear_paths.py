@@ -1,6 +1,7 @@
-"""Time of one decoder layer's linear layers (plus the logits) in bf16, per path and step size.
+"""Time of one decoder layer's linear layers (plus the logits) in bf16 or fp32, per path and
+step size.
 
-The paths a bf16 model's linear layers can take on a CPU (``kvferry.worker.cpu_backend``):
+The paths a model's linear layers can take on a CPU (``kvferry.worker.cpu_backend``), bf16:
 
     torch      F.linear on the bf16 weights (oneDNN's bf16 GEMM where the CPU has bf16
                instructions, a slow emulation where it does not)
@@ -8,6 +9,10 @@ The paths a bf16 model's linear layers can take on a CPU (``kvferry.worker.cpu_b
     widen      the weight widened to fp32 for the call, then an fp32 GEMM
     c-<isa>    the C kernel that reads bf16 weights as they are (csrc/bf16_linear.c), in each
                variant this CPU runs (amx, avx512bf16, avx512, avx2, scalar)
+
+and with ``--dtype float32``: ``torch``, ``packed``, ``c-<isa>`` (the dense-weight kernel,
+csrc/f32_linear.c: avx512, avx2, scalar) and ``panels`` (csrc/f32_panel_linear.c on its copy of
+the weights laid out in panels; AVX-512 only).
 
 Shapes: ``mid`` (hidden 1024, intermediate 2048, 16/4 heads of 64, vocab 32000) and
 ``qwen3-0.6b`` (hidden 1024, intermediate 3072, q 2048 / kv 1024, vocab 151936). Paths are
@@ -20,6 +25,8 @@ steps compute logits only for the rows they sample).
     .venv/bin/python benchmarks/bf16_linear_paths.py --rows 512,2048 --no-logits --paths torch,packed,widen
     .venv/bin/python benchmarks/bf16_linear_paths.py --shape qwen3-0.6b --layers 28 --no-logits \
         --rows 1,2,4,8,16 --paths packed,c-avx512bf16,c-avx512
+    .venv/bin/python benchmarks/bf16_linear_paths.py --dtype float32 --layers 12 --no-logits \
+        --rows 1,2,4,8,16,32,64,128 --paths packed,c-avx512,panels
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from kvferry.native.bf16_linear import VARIANTS, load_bf16_linear
+from kvferry.native.f32_linear import load_f32_linear
+from kvferry.native.f32_panel_linear import load_f32_panel_linear
 from kvferry.worker.cpu_features import ISA_LEVELS, cpu_features
 
 # (out, in) of qkv, o, gate_up, down; then the logits matrix.
@@ -60,8 +69,16 @@ def build_paths(names: list[str], weights: list[torch.Tensor]) -> dict[str, Path
             )
         elif name == "widen":
             paths[name] = lambda x, i: F.linear(x.float(), weights[i].float()).bfloat16()
+        elif name == "panels":
+            panel = load_f32_panel_linear() if weights[0].dtype == torch.float32 else None
+            if panel is None or cpu_features().cpu_isa != "avx512":
+                print(f"skipping {name}: needs fp32 weights, an AVX-512 CPU and the kernel")
+                continue
+            laid = [(panel.pack(w), w.shape[0]) for w in weights]
+            paths[name] = lambda x, i, k=panel, laid=laid: k(x, *laid[i])
         elif name.startswith("c-"):
-            kernel = load_bf16_linear(name[2:])  # type: ignore[arg-type]
+            load = load_f32_linear if weights[0].dtype == torch.float32 else load_bf16_linear
+            kernel = load(name[2:])  # type: ignore[arg-type]
             if kernel is None:
                 print(f"skipping {name}: kernel unavailable")
                 continue
@@ -71,7 +88,7 @@ def build_paths(names: list[str], weights: list[torch.Tensor]) -> dict[str, Path
     return paths
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     features = cpu_features()
     own = ISA_LEVELS.index(features.cpu_isa)
     levels = [v for v in VARIANTS if v in ISA_LEVELS and v != "scalar"]
@@ -80,10 +97,11 @@ def main() -> None:
         runnable.insert(0, "c-avx512bf16")
     if features.bf16_dot and features.amx_bf16:
         runnable.insert(0, "c-amx")
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--shape", choices=list(SHAPES), default="mid")
     ap.add_argument("--rows", default="1,4,16,64")
-    ap.add_argument("--paths", default=",".join(["torch", "packed", *runnable, "widen"]))
+    ap.add_argument("--paths", help="comma-separated (default: every path of --dtype here)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--no-logits", action="store_true")
     ap.add_argument(
@@ -93,20 +111,28 @@ def main() -> None:
         help="decoder layers of weights (more than the last-level cache holds: from memory)",
     )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.paths is None:
+        if args.dtype == "float32":
+            fp32 = [f"c-{v}" for v in ("avx512", "avx2") if ISA_LEVELS.index(v) <= own]
+            extra = ["panels"] if features.cpu_isa == "avx512" else []
+            args.paths = ",".join(["torch", "packed", *fp32, *extra])
+        else:
+            args.paths = ",".join(["torch", "packed", *runnable, "widen"])
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     print("cpu", cpu_features().as_dict(), "threads", args.threads)
     layer, logits = SHAPES[args.shape]
     shapes = layer * args.layers if args.no_logits else [*(layer * args.layers), logits]
     g = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(o, i, generator=g) * 0.02).bfloat16() for o, i in shapes]
+    weights = [(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in shapes]
     paths = build_paths(args.paths.split(","), weights)
     print(
-        f"shape={args.shape} layers={args.layers} logits={not args.no_logits}"
+        f"dtype={args.dtype} shape={args.shape} layers={args.layers} logits={not args.no_logits}"
         " median ms per pass over them"
     )
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = [torch.randn(rows, w.shape[1], generator=g).bfloat16() for w in weights]
+        xs = [torch.randn(rows, w.shape[1], generator=g).to(dtype) for w in weights]
         times: dict[str, list[float]] = {p: [] for p in paths}
         for rep in range(args.reps + 1):
             for name, fn in paths.items():
