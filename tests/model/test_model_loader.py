@@ -15,7 +15,7 @@ from kvferry.config import ConfigError, ModelConfig
 from kvferry.model.llama import CausalLM
 from kvferry.model.loader import load_model
 from kvferry.worker import cpu_backend
-from kvferry.worker.cpu_backend import CPULinear, SmallStepsLinear
+from kvferry.worker.cpu_backend import CPULinear, PanelStepsLinear, SmallStepsLinear
 from kvferry.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -168,6 +168,10 @@ def test_cpu_fp32_weights_are_laid_out_for_gemms(tiny_model_factory: Callable[..
         hook = proj.kernel
         if isinstance(hook, SmallStepsLinear):  # AVX2 or AVX-512: a C kernel for small steps
             assert cpu_backend.cpu_features().isa in ("avx2", "avx512")
+            hook = hook.rest
+        if isinstance(hook, PanelStepsLinear):  # AVX-512: the panel kernel, on its own copy
+            assert cpu_backend.cpu_features().isa == "avx512"
+            assert hook.panels.numel() >= proj.weight.numel()
             hook = hook.rest
         assert isinstance(hook, CPULinear)
         assert hook.packed is not None and proj.weight.is_contiguous()
