@@ -15,9 +15,10 @@ Which path serves what (all on CPU):
   takes generic kernels); below AVX2 it serves small steps (decode) and MKL the rest. At the
   AVX2 level, steps of at most :data:`F32_KERNEL_MAX_ROWS` rows (decode, the logits) run a C
   kernel on the dense weight instead, which beats oneDNN there; at the AVX-512 level, steps of
-  at most :data:`F32_PANEL_MAX_ROWS` rows run a C kernel on a third copy of the weight, laid
-  out in panels of outputs (it overlaps reading the weights with computing on them, where
-  oneDNN does one after the other). Where torch has no oneDNN the
+  at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows run its AVX-512 variant, and steps of up to
+  :data:`F32_PANEL_MAX_ROWS` rows a C kernel on a third copy of the weight, laid out in
+  panels of outputs (it overlaps reading the weights with computing on them, where oneDNN
+  does one after the other). Where torch has no oneDNN the
   weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
   elementwise steps. On AVX-512, steps of :data:`F32_PAD_MIN_ROWS` rows or more run on rows
   padded to a multiple of :data:`F32_ROW_MULTIPLE` (bf16 on AMX: steps past
@@ -457,8 +458,9 @@ class CPUBackend:
         """Each weight (fp32, or bf16 on a CPU with bf16 instructions) gets a oneDNN-packed
         copy for the steps :func:`packed_max_rows` gives it, which doubles the memory the
         weights take; other steps use the dense weight, whose layout does not matter there.
-        fp32 on AVX-512 adds the panel kernel's copy (three copies in all). Where torch has no oneDNN, fp32 weights become input-major instead, which MKL streams
-        faster for steps of a few rows; bf16 ones stay as they are."""
+        fp32 on AVX-512 adds the panel kernel's copy (three copies in all). Where torch has no
+        oneDNN, fp32 weights become input-major instead, which MKL streams faster for steps of
+        a few rows; bf16 ones stay as they are."""
         rows = packed_max_rows(self.features, self.dtype)
         scope = "all-rows" if rows is None else f"<={rows}rows,torch"
         self.paths.update(linear=f"onednn-{_name(self.dtype)}-packed{scope}")
