@@ -154,6 +154,7 @@ static void values_tile(const float *restrict p, const float *const *restrict va
     for (int v = 0; v < RV; v++) al[v] = vload(alpha + VW * v);
     int64_t e = 0;
     for (; e + KV <= d; e += KV) VALUES_BLOCK(KV);
+    for (; e + 4 <= d; e += 4) VALUES_BLOCK(4);
     for (; e < d; e += 2) VALUES_BLOCK(2); /* head_dim is even */
 }
 
@@ -179,16 +180,18 @@ static void softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t
         vf mo = vload(m + VW * v), mx = mo;
         for (int64_t j = 0; j < n; j++) mx = vmax(mx, vload(s + j * ROWS + VW * v));
         vf z = {0};
+        const int window_edge = edge && window > 0;
         for (int64_t j = 0; j < n; j++) {
             vf pj = vexp(vload(s + j * ROWS + VW * v) - mx);
             vstore(s + j * ROWS + VW * v, pj);
+            if (!window_edge) z += pj;
         }
-        if (edge && window > 0) {
+        if (window_edge) {
             for (int64_t j = 0; j < n; j++)
                 for (int r = VW * v; r < VW * v + VW; r++)
                     if (masked_key(t0 + j, lim[r], window)) s[j * ROWS + r] = 0.0f;
+            for (int64_t j = 0; j < n; j++) z += vload(s + j * ROWS + VW * v);
         }
-        for (int64_t j = 0; j < n; j++) z += vload(s + j * ROWS + VW * v);
         vf a = vexp(mo - mx);
         vstore(alpha + VW * v, a);
         vstore(m + VW * v, mx);
