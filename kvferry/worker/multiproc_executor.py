@@ -24,9 +24,9 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -44,16 +44,22 @@ from kvferry.worker.tp_worker_proc import ReadyInfo, WorkerProcArgs, worker_main
 logger = init_logger(__name__)
 
 _STOP_GRACE_S = 5.0
+_RENDEZVOUS_TIMEOUT = timedelta(seconds=600)
 
 
 class WorkerFailedError(RuntimeError):
     """A tensor-parallel worker died, failed or hung; the engine cannot go on."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rendezvous_store() -> Any:
+    """The ``torch.distributed`` store the ranks meet at, served from the engine process on a
+    port the OS picks as it binds. (A port found free here and bound later by rank 0, after
+    its start-up, could be taken in between: the rank then failed with EADDRINUSE.)"""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_RENDEZVOUS_TIMEOUT
+    )
 
 
 def _exit_text(code: int | None) -> str:
@@ -76,7 +82,9 @@ class MultiprocExecutor:
         self.world_size = n = config.parallel_config.tensor_parallel_size
         self._error: WorkerFailedError | None = None
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # Held until the workers are stopped: gloo's groups keep using it after start-up.
+        self._store: Any = _rendezvous_store()
+        port = int(self._store.port)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         try:
@@ -221,4 +229,5 @@ class MultiprocExecutor:
         for conn in self._conns:
             conn.close()
         self._conns = []
+        self._store = None  # the rendezvous store's server goes with it
         self._procs = []

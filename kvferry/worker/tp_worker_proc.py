@@ -1,8 +1,8 @@
 """The body of one tensor-parallel worker process (rank r of N), spawned by
 :class:`~kvferry.worker.multiproc_executor.MultiprocExecutor`.
 
-The process joins the ``torch.distributed`` group (gloo on CPU, NCCL on CUDA) at
-``127.0.0.1:port``, records its rank for the sharded layers, builds its :class:`Worker` (its
+The process joins the ``torch.distributed`` group (gloo on CPU, NCCL on CUDA) through the
+rendezvous store the engine process serves at ``127.0.0.1:port``, records its rank for the sharded layers, builds its :class:`Worker` (its
 shard of the weights, its KV heads, its connector) and then serves the engine over its end of
 a pipe, one message at a time:
 
@@ -95,9 +95,13 @@ def worker_main(args: WorkerProcArgs, conn: Connection) -> None:
     if cuda:
         torch.cuda.set_device(args.rank)
     try:
+        # The engine process serves the rendezvous store on args.port.
+        store = dist.TCPStore(
+            "127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=600)
+        )
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
-            init_method=f"tcp://127.0.0.1:{args.port}",
+            store=store,
             rank=args.rank,
             world_size=args.world_size,
             timeout=timedelta(seconds=600),
