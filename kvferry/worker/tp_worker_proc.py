@@ -2,9 +2,9 @@
 :class:`~kvferry.worker.multiproc_executor.MultiprocExecutor`.
 
 The process joins the ``torch.distributed`` group (gloo on CPU, NCCL on CUDA) through the
-rendezvous store the engine process serves at ``127.0.0.1:port``, records its rank for the sharded layers, builds its :class:`Worker` (its
-shard of the weights, its KV heads, its connector) and then serves the engine over its end of
-a pipe, one message at a time:
+rendezvous store the engine process serves at ``127.0.0.1:port``, records its rank for the
+sharded layers, builds its :class:`Worker` (its shard of the weights, its KV heads, its
+connector) and then serves the engine over its end of a pipe, one message at a time:
 
 * engine -> worker: ``pickle((kind, payload))`` with kind ``"step"`` (a SchedulerOutput),
   ``"call"`` (``(fn, args)``: ``fn(worker, *args)``, for tests and tools) or ``"shutdown"``.
@@ -36,6 +36,8 @@ from kvferry.kv_cache_config import KVCacheConfig
 from kvferry.kv_transfer.base import KVConnectorHandshakeMetadata
 
 _PARENT_POLL_S = 0.5
+# Joining the group and each collective after it.
+_GROUP_TIMEOUT = timedelta(seconds=600)
 
 
 @dataclass(frozen=True)
@@ -96,15 +98,13 @@ def worker_main(args: WorkerProcArgs, conn: Connection) -> None:
         torch.cuda.set_device(args.rank)
     try:
         # The engine process serves the rendezvous store on args.port.
-        store = dist.TCPStore(
-            "127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=600)
-        )
+        store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=_GROUP_TIMEOUT)
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
             store=store,
             rank=args.rank,
             world_size=args.world_size,
-            timeout=timedelta(seconds=600),
+            timeout=_GROUP_TIMEOUT,
         )
         init_tensor_parallel(args.rank, args.world_size)
         worker = (args.worker_factory or Worker)(args.config, args.rank)

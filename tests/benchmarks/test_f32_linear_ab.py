@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,16 +43,20 @@ def test_each_row_limit_runs_paired_rounds_against_onednn(
         assert len(side["paired_gain"]["per_round"]) == 2
 
 
+def two_rounds(model: Path, tmp_path: Path, prompts: int, max_rows: str, *ab: str) -> Any:
+    """Two paired rounds of 4-token generations at one row limit; their tokens/s."""
+    out = tmp_path / "ab.json"
+    args = ["--model", str(model), "--prompts", str(prompts), "--max-tokens", "4"]
+    f32_linear_ab.main([*args, *ab, "--rounds", "2", "--max-rows", max_rows, "--out", str(out)])
+    return json.loads(out.read_text())["max_rows"][max_rows]["tokens_per_s"]
+
+
 def test_bf16_dot_kernel_runs_paired_rounds_against_onednn(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     if not cf.cpu_features().bf16_dot or load_bf16_linear("avx512bf16") is None:
         pytest.skip("needs a CPU with AVX512_BF16 and a C compiler")
-    out = tmp_path / "ab.json"
-    args = ["--model", str(tiny_model_factory()), "--prompts", "1", "--max-tokens", "4"]
-    ab = ["--dtype", "bfloat16", "--rounds", "2", "--max-rows", "1", "--out", str(out)]
-    f32_linear_ab.main([*args, *ab])
-    rates = json.loads(out.read_text())["max_rows"]["1"]["tokens_per_s"]
+    rates = two_rounds(tiny_model_factory(), tmp_path, 1, "1", "--dtype", "bfloat16")
     assert len(rates["kernel"]) == len(rates["onednn"]) == 2
 
 
@@ -60,9 +65,5 @@ def test_panel_kernel_runs_paired_rounds_against_onednn(
 ) -> None:
     if cf.cpu_features().cpu_isa != "avx512" or load_f32_panel_linear() is None:
         pytest.skip("needs an AVX-512 CPU and a C compiler")
-    out = tmp_path / "ab.json"
-    args = ["--model", str(tiny_model_factory()), "--prompts", "4", "--max-tokens", "4"]
-    ab = ["--kernel", "panels", "--rounds", "2", "--max-rows", "128", "--out", str(out)]
-    f32_linear_ab.main([*args, *ab])
-    rates = json.loads(out.read_text())["max_rows"]["128"]["tokens_per_s"]
+    rates = two_rounds(tiny_model_factory(), tmp_path, 4, "128", "--kernel", "panels")
     assert len(rates["kernel"]) == len(rates["onednn"]) == 2

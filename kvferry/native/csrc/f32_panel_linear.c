@@ -20,14 +20,12 @@
  *
  * kvf_f32_panel_linear_available() says whether this build has the AVX-512 code (x86-64 with
  * GCC or clang; compiled through target attributes whatever -march says); the caller must
- * only use it on a CPU with AVX-512F. Work is split over OpenMP threads by whole panels.
+ * only use it on a CPU with AVX-512F. Work is split over OpenMP threads by whole panels
+ * (rows_linear.h, shared with the dense-row kernels).
  */
 #include <stdint.h>
-#include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "rows_linear.h"
 
 /* Outputs per panel: three 16-lane vectors. With MR x rows per pass the micro-kernel holds
  * MR x 3 = 24 accumulators, three weight vectors and a broadcast x value in the 32 vector
@@ -35,8 +33,6 @@
  * multiply-adds. */
 #define NP 48
 #define MR 8
-/* Below this many multiply-adds a team of threads costs more than it saves. */
-#define PARALLEL_MIN_MACS (1 << 17)
 
 /* Outputs per panel (the layout's NP). */
 int kvf_f32_panel_width(void) { return NP; }
@@ -120,17 +116,13 @@ int kvf_f32_panel_linear(const float *x, int64_t sx, const float *panels, const 
                          int64_t M, int64_t N, int64_t K, float *out, int64_t so,
                          int num_threads) {
     if (M <= 0 || N <= 0) return 0;
-    const int64_t count = (N + NP - 1) / NP;
     const int parallel = M * N * K >= PARALLEL_MIN_MACS && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
-        int64_t t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const int64_t b0 = count * t / nt, b1 = count * (t + 1) / nt;
-        if (b0 < b1) panels512(x, sx, panels, bias, M, N, K, out, so, b0, b1);
+        int64_t n0, n1;
+        thread_outputs(N, NP, &n0, &n1); /* whole panels per thread */
+        if (n0 < n1)
+            panels512(x, sx, panels, bias, M, N, K, out, so, n0 / NP, (n1 + NP - 1) / NP);
     }
     return 0;
 }
