@@ -7,8 +7,9 @@ each ``requests x tokens`` case and dtype; the best of ``--rounds`` alternating 
 two builds, as GB/s of K/V a step reads.
 
 ``engine``: one ``LLM`` whose decode kernel has its entry points swapped between the two builds
-in alternating runs; a decode step is (the time to generate 33 tokens - the time for 1) / 32,
-fresh random prompts each run; the paired speed-up per round.
+step by step over the 32 decode steps of fresh random prompts
+(:func:`~benchmarks.harness.revision_build.paired_decode_steps`); the paired speed-up per
+round.
 
     .venv/bin/python benchmarks/paged_decode_ab.py --baseline 17ae970^
     .venv/bin/python benchmarks/paged_decode_ab.py --baseline 17ae970^ --parts engine \\
@@ -44,11 +45,27 @@ from benchmarks.harness.revision_build import (
 BLOCK = 16
 
 
-def baseline_kernel(rev: str) -> Any:
-    """The decode kernel as built from ``rev``'s sources."""
-    from kvferry.native.paged_decode import PagedDecodeKernel
+def baseline_kernel(rev: str, variant: str) -> Any:
+    """The decode kernel as built from ``rev``'s sources, in ``variant`` where that build has
+    variants (its entry points take none before they had)."""
+    from kvferry.native import paged_decode
+    from kvferry.native.paged_kv import PagedKVKernel
 
-    return PagedDecodeKernel(load_library_at(rev, "paged_decode.c", "paged_decode_baseline"))
+    lib = load_library_at(rev, "paged_decode.c", "paged_decode_baseline")
+    if hasattr(lib, "kvf_paged_decode_variants"):
+        return paged_decode.PagedDecodeKernel(lib, variant)  # type: ignore[arg-type]
+    kernel = paged_decode.PagedDecodeKernel.__new__(paged_decode.PagedDecodeKernel)
+    argtypes = paged_decode._ARGTYPES[:-1]
+    PagedKVKernel.__init__(kernel, lib, "kvf_paged_decode", argtypes, "baseline decode")
+    kernel.variant = "avx2"
+
+    def without_variant(fn: Any) -> Any:
+        # The calls pass (..., window, variant, out, threads): drop the variant.
+        return lambda *a: fn(*a[:-3], *a[-2:])
+
+    kernel._fns = {dt: without_variant(fn) for dt, fn in kernel._fns.items()}
+    kernel._code = 0
+    return kernel
 
 
 def kernel_part(args: argparse.Namespace, kernels: dict[str, Any]) -> list[dict[str, Any]]:
@@ -104,16 +121,16 @@ def kernel_part(args: argparse.Namespace, kernels: dict[str, Any]) -> list[dict[
     return rows
 
 
-def _switcher(kernel: Any, fns: dict[str, Any]) -> Callable[[str], None]:
-    """Points ``kernel``'s entry points at a build's (``fns[name]``)."""
+def _switcher(kernel: Any, builds: dict[str, Any]) -> Callable[[str], None]:
+    """Points ``kernel``'s entry points and variant at a build's (``builds[name]``)."""
 
     def use(name: str) -> None:
-        kernel._fns = fns[name]
+        kernel._fns, kernel._code = builds[name]._fns, builds[name]._code
 
     return use
 
 
-def engine_part(args: argparse.Namespace, baseline: Any) -> list[dict[str, Any]]:
+def engine_part(args: argparse.Namespace, current: Any, baseline: Any) -> list[dict[str, Any]]:
     from kvferry import LLM
 
     rows: list[dict[str, Any]] = []
@@ -124,7 +141,7 @@ def engine_part(args: argparse.Namespace, baseline: Any) -> list[dict[str, Any]]
         kernel = executor.worker.model_runner.attn_workspace.decode_kernel
         if kernel is None:
             sys.exit("this engine has no C decode kernel (KVFERRY_NATIVE_KERNELS=0?)")
-        use = _switcher(kernel, {"current": kernel._fns, "baseline": baseline._fns})
+        use = _switcher(kernel, {"current": current, "baseline": baseline})
         rng = random.Random(args.seed)
 
         for nreq, ctx in args.engine_cases:
@@ -163,6 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--cases", default="1x160,1x512,1x2048,4x512,8x512,8x160")
     ap.add_argument("--engine-cases", default="1x512")
+    ap.add_argument("--variant", help="the current build's variant (default: the engine's)")
+    ap.add_argument(
+        "--baseline-variant", help="the baseline's variant, where it has them (default: --variant)"
+    )
     ap.add_argument("--pool-mib", type=int, default=72, help="one layer's pool in the kernel part")
     args = ap.parse_args(argv)
     resolve_ab_arguments(ap, args)
@@ -171,14 +192,16 @@ def main(argv: list[str] | None = None) -> None:
     args.engine_cases = parse_cases(args.engine_cases)
 
     from kvferry.native.paged_decode import load_paged_decode
+    from kvferry.worker.cpu_features import cpu_features
 
-    current = load_paged_decode()
+    variant = args.variant or cpu_features().isa
+    current = load_paged_decode(variant)
     if current is None:
-        sys.exit("the decode kernel is not built here (no C compiler, or native kernels off)")
-    baseline = baseline_kernel(args.baseline)
+        sys.exit(f"the decode kernel's {variant} variant is not built here")
+    baseline = baseline_kernel(args.baseline, args.baseline_variant or variant)
     measures: dict[str, Callable[[], Any]] = {
         "kernel": lambda: kernel_part(args, {"baseline": baseline, "current": current}),
-        "engine": lambda: engine_part(args, baseline),
+        "engine": lambda: engine_part(args, current, baseline),
     }
     chosen = {p: m for p, m in measures.items() if p in args.parts}
     run_ab(

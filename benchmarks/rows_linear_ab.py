@@ -9,8 +9,9 @@ of the two builds, as ms and as GB/s of weights read, and the largest difference
 the two builds' outputs.
 
 ``engine``: one ``LLM`` whose linear layers and logits have the kernel's entry point swapped
-between the two builds in alternating runs; a decode step is (the time to generate 33 tokens
-- the time for 1) / 32, fresh random prompts each run; the paired speed-up per round.
+between the two builds step by step over the 32 decode steps of fresh random prompts
+(:func:`~benchmarks.harness.revision_build.paired_decode_steps`); the paired speed-up per
+round.
 
     .venv/bin/python benchmarks/rows_linear_ab.py --baseline HEAD --rows 1,2,3,4,8
     .venv/bin/python benchmarks/rows_linear_ab.py --baseline HEAD~2 --kernel f32 \\

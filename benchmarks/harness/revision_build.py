@@ -98,16 +98,38 @@ def paired_decode_steps(
     rng: random.Random,
 ) -> dict[str, list[float]]:
     """Decode-step seconds of ``llm`` per build (:data:`BUILDS`) and round; ``use(name)``
-    switches the engine to a build. A step is (the time to generate 33 tokens - the time for
-    1) / 32, which leaves the prefill out; alternating order keeps drift from favouring
-    either build. The engine is left on ``"current"``."""
+    switches the engine to a build. Each round prefills ``nreq`` fresh random prompts of
+    ``ctx`` tokens, then runs their 32 decode steps with the builds alternating step by step
+    (the first build alternating by round), so both see the same batch at nearly the same
+    context; a round's value per build is the median of its 16 steps. The engine is left on
+    ``"current"``."""
+    from kvferry import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.config.model_config.arch.vocab_size
+    params = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
     steps: dict[str, list[float]] = {name: [] for name in BUILDS}
     generate_s(llm, rng, nreq, ctx, 2)  # first touch of the blocks this case uses
     for r in range(rounds):
-        for name in alternating(BUILDS, r):
+        order = alternating(BUILDS, r)
+        use("current")
+        for _ in range(nreq):
+            prompt = [rng.randrange(vocab) for _ in range(ctx)]
+            engine.add_request({"prompt_token_ids": prompt}, params)
+        times: dict[str, list[float]] = {name: [] for name in BUILDS}
+        while engine.has_unfinished_requests():
+            sched = engine.scheduler
+            decoding = not sched.waiting and all(
+                q.num_computed_tokens >= q.num_prompt_tokens for q in sched.running
+            )
+            name = order[sum(map(len, times.values())) % 2] if decoding else "current"
             use(name)
-            one = generate_s(llm, rng, nreq, ctx, 1)
-            steps[name].append((generate_s(llm, rng, nreq, ctx, 33) - one) / 32)
+            t = time.perf_counter()
+            engine.step()
+            if decoding:
+                times[name].append(time.perf_counter() - t)
+        for name, ts in times.items():
+            steps[name].append(statistics.median(ts))
     use("current")
     return steps
 

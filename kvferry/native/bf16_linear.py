@@ -8,7 +8,8 @@ from typing import Literal, get_args
 
 import torch
 
-from kvferry.native.rows_linear import VARIANT_CODES, RowsLinearKernel, load_rows_kernel
+from kvferry.native.rows_linear import RowsLinearKernel, load_rows_kernel
+from kvferry.native.variants import VARIANT_CODES
 
 Variant = Literal["scalar", "avx2", "avx512", "avx512bf16", "amx"]
 # The kernel's variant numbers (KVF_* in the C source).

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
 from kvferry.native.build import load_library
 from kvferry.native.paged_kv import PagedKVKernel
+from kvferry.native.variants import compiled_variants, variant_code
+
+Variant = Literal["scalar", "avx2", "avx512"]
 
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # block table
@@ -18,6 +21,7 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,  # group (query heads per kv head)
     ctypes.c_float,  # scale
     ctypes.c_int64,  # sliding window (0: none)
+    ctypes.c_int,  # variant
 ]
 
 
@@ -26,10 +30,24 @@ class PagedDecodeKernel(PagedKVKernel):
     pool's blocks (the portable path gathers them into a buffer first, reading every byte
     twice). :meth:`supports` says whether a layer can use it (CPU, fp32 or bf16, contiguous
     cache); :meth:`__call__` returns ``[num_reqs, num_heads, head_dim]``.
+
+    ``variant`` (``scalar``, ``avx2`` or ``avx512``) is the widest instruction set its vector
+    code may use; it must be one :meth:`compiled` lists and the CPU runs (the caller decides
+    from the CPU's features). Calls whose head_dim that width does not tile use the next
+    narrower one.
     """
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    VARIANTS: tuple[Variant, ...] = ("scalar", "avx2", "avx512")
+
+    def __init__(self, lib: ctypes.CDLL, variant: Variant) -> None:
         super().__init__(lib, "kvf_paged_decode", _ARGTYPES, "paged decode attention")
+        self._compiled = cast(tuple[Variant, ...], compiled_variants(lib, "paged_decode"))
+        self._code = variant_code("paged_decode", variant, self._compiled)
+        self.variant = variant
+
+    def compiled(self) -> tuple[Variant, ...]:
+        """The variants this build of the kernel holds."""
+        return self._compiled
 
     def __call__(
         self,
@@ -58,10 +76,17 @@ class PagedDecodeKernel(PagedKVKernel):
             heads // kv_cache.shape[3],
             scale,
             window or 0,
+            self._code,
         )
 
 
-def load_paged_decode() -> PagedDecodeKernel | None:
-    """The kernel, built on first use; None where native kernels are off or unbuildable."""
+def load_paged_decode(variant: Variant) -> PagedDecodeKernel | None:
+    """The kernel in ``variant``, built on first use; None where native kernels are off, it
+    is unbuildable or this build lacks the variant."""
     lib = load_library("paged_decode")
-    return None if lib is None else PagedDecodeKernel(lib)
+    if lib is None:
+        return None
+    try:
+        return PagedDecodeKernel(lib, variant)
+    except ValueError:
+        return None

@@ -10,10 +10,7 @@ from typing import ClassVar, TypeVar
 import torch
 
 from kvferry.native.build import load_library
-
-# Variant numbers shared by the C sources (KVF_SCALAR, KVF_AVX2, KVF_AVX512, KVF_AVX512BF16,
-# KVF_AMX).
-VARIANT_CODES: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
+from kvferry.native.variants import compiled_variants, variant_code
 
 
 class RowsLinearKernel:
@@ -45,14 +42,9 @@ class RowsLinearKernel:
             ctypes.c_int,  # threads
         ]
         self._fn.restype = ctypes.c_int
-        variants = getattr(lib, f"kvf_{self.NAME}_variants")
-        variants.restype = ctypes.c_int
-        mask = variants()
-        self._compiled = tuple(n for n, bit in VARIANT_CODES.items() if mask & (1 << bit))
-        if variant not in self._compiled:
-            raise ValueError(f"{self.NAME} variant {variant!r} is not in this build")
+        self._compiled = compiled_variants(lib, self.NAME)
+        self._code = variant_code(self.NAME, variant, self._compiled)
         self.variant = variant
-        self._code = VARIANT_CODES[variant]
 
     def compiled(self) -> tuple[str, ...]:
         """The variants this build of the kernel holds."""

@@ -362,7 +362,7 @@ class CPUBackend:
             if dtype in FusedOps.DTYPES:
                 self.fused_ops = load_fused_ops()
             if dtype in PagedDecodeKernel.DTYPES:
-                self.decode_kernel = load_paged_decode()
+                self.decode_kernel = load_paged_decode(self.features.isa)
             # With AMX, bf16 products on tiles beat the fp32 arithmetic several times over.
             if dtype == torch.bfloat16 and self.features.amx_bf16:
                 self.prefill_kernel = load_paged_prefill_amx()
@@ -433,7 +433,11 @@ class CPUBackend:
                 module.max_pass_bytes = MLP_CHUNK_BYTES
         self.paths.update(
             fused_ops="c" if self.fused_ops is not None else "torch",
-            decode_attention="c-paged" if self.decode_kernel is not None else "torch-gather",
+            decode_attention=(
+                f"c-paged-{self.decode_kernel.variant}"
+                if self.decode_kernel is not None
+                else "torch-gather"
+            ),
             prefill_attention=self.prefill_kernel.PATH if self.prefill_kernel else "torch-sdpa",
             kv_write="c" if self.write_kernel is not None else "torch",
             argmax="c" if self.argmax is not None else "torch",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,11 +19,40 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# The last revision whose kernel takes no variant argument.
+BEFORE_VARIANTS = "1f502f9"
+
+
+def _has_revision(rev: str) -> bool:
+    root = Path(__file__).resolve().parents[2]
+    probe = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{rev}^{{commit}}"])
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize(
+    "baseline",
+    [
+        "HEAD",
+        pytest.param(
+            BEFORE_VARIANTS,
+            marks=pytest.mark.skipif(
+                not _has_revision(BEFORE_VARIANTS), reason="a shallow clone without it"
+            ),
+        ),
+    ],
+)
 def test_both_parts_compare_the_revision_with_the_tree(
-    tiny_model_factory: Callable[..., Path], tmp_path: Path
+    baseline: str, tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "ab.json"
-    args = ["--baseline", "HEAD", "--model", str(tiny_model_factory()), "--parts", "kernel,engine"]
+    args = [
+        "--baseline",
+        baseline,
+        "--model",
+        str(tiny_model_factory()),
+        "--parts",
+        "kernel,engine",
+    ]
     args += ["--dtypes", "float32", "--cases", "1x20,3x40", "--engine-cases", "2x24"]
     args += ["--pool-mib", "1", "--rounds", "2", "--allow-noise", "--out", str(out)]
     paged_decode_ab.main(args)

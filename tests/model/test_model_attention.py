@@ -17,6 +17,7 @@ from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.model.forward_context import ForwardContext, set_forward_context
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 from kvferry.worker.cpu_backend import DECODE_GATHER_BYTES
+from kvferry.worker.cpu_features import cpu_features
 
 CPU = torch.device("cpu")
 
@@ -28,7 +29,7 @@ def decode_kernel(request: pytest.FixtureRequest) -> PagedDecodeKernel | None:
         return None
     if shutil.which(os.environ.get("CC") or "cc") is None:
         pytest.skip("no C compiler: the decode kernel cannot be built here")
-    kernel = load_paged_decode()
+    kernel = load_paged_decode(cpu_features().isa)
     assert kernel is not None, "a C compiler is installed, yet the decode kernel did not build"
     return kernel
 

@@ -19,7 +19,7 @@ from kvferry.native.paged_prefill import (
     load_paged_prefill_amx,
 )
 from kvferry.worker.cpu_backend import DECODE_GATHER_BYTES, CPUBackend
-from kvferry.worker.cpu_features import CPUFeatures
+from kvferry.worker.cpu_features import CPUFeatures, cpu_features
 from tests.model.test_model_attention import MIXED, Scenario
 from tests.native.test_paged_prefill import amx_kernel
 
@@ -50,7 +50,7 @@ def _workspace(amx: bool = False) -> AttentionWorkspace:
     counting = cast(PagedPrefillKernel, _Counting(kernel))
     _Counting.calls = 0
     return AttentionWorkspace(
-        decode_kernel=load_paged_decode(),
+        decode_kernel=load_paged_decode(cpu_features().isa),
         prefill_kernel=counting,
         decode_gather_bytes=DECODE_GATHER_BYTES,
     )

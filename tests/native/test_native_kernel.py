@@ -23,6 +23,7 @@ from kvferry.native.block_copy import load_block_copy
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.paged_decode import load_paged_decode
 from kvferry.sampling_params import SamplingParams
+from kvferry.worker.cpu_features import cpu_features
 from kvferry.worker.model_runner import ModelRunner
 
 needs_cc = pytest.mark.skipif(
@@ -84,7 +85,7 @@ def test_failing_build_falls_back_with_the_compiler_error(
 
 @needs_cc
 def test_paged_decode_supports_only_dense_cpu_fp32_and_bf16() -> None:
-    kernel = load_paged_decode()
+    kernel = load_paged_decode(cpu_features().isa)
     assert kernel is not None
     cache = torch.zeros(2, 4, 16, 2, 8)
     q = torch.zeros(3, 4, 8)

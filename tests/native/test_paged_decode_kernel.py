@@ -1,5 +1,6 @@
-"""The paged decode kernel against an fp64 reference over the shapes that pick its paths:
-head dims a multiple of 8 (the vector items) or not (the portable ones), query-head groups
+"""The paged decode kernel against an fp64 reference, in every variant this CPU runs, over the
+shapes that pick its paths: head dims a multiple of 16 (AVX-512 items), of 8 only (AVX2
+items, also under the AVX-512 variant) or of neither (the portable ones), query-head groups
 of 1, 2, 3 and 8 (pairs of query heads and a single one left over), lengths that end inside
 a 4-token run, and request counts that split a request's heads over several items or not."""
 
@@ -11,13 +12,28 @@ import shutil
 import pytest
 import torch
 
-from kvferry.native.paged_decode import load_paged_decode
+from kvferry.native.build import load_library
+from kvferry.native.paged_decode import PagedDecodeKernel, Variant, load_paged_decode
+from kvferry.worker.cpu_features import ISA_LEVELS, cpu_features
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
 )
 
 BLOCK = 16
+
+
+def runnable() -> list[Variant]:
+    """The variants this CPU runs."""
+    own = ISA_LEVELS.index(cpu_features().cpu_isa)
+    return [v for v in PagedDecodeKernel.VARIANTS if ISA_LEVELS.index(v) <= own]
+
+
+def decode_kernel(variant: Variant | None = None) -> PagedDecodeKernel:
+    """The kernel in ``variant`` (default: the engine's, at this CPU's level)."""
+    kernel = load_paged_decode(variant or cpu_features().isa)
+    assert kernel is not None
+    return kernel
 
 
 SHORT = (1, 3, 17, 64, 130)
@@ -59,13 +75,15 @@ def _reference(
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("variant", runnable())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [128, 36])
+@pytest.mark.parametrize("head_dim", [128, 40, 36])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(16, 8), (12, 4), (4, 4), (8, 1)])
 @pytest.mark.parametrize(
     ("num_reqs", "base"), [(1, SHORT), (3, SHORT), (40, SHORT), (1, LONG), (3, LONG)]
 )
 def test_decode_kernel_matches_the_reference(
+    variant: Variant,
     dtype: torch.dtype,
     head_dim: int,
     heads: int,
@@ -73,8 +91,7 @@ def test_decode_kernel_matches_the_reference(
     num_reqs: int,
     base: tuple[int, ...],
 ) -> None:
-    kernel = load_paged_decode()
-    assert kernel is not None
+    kernel = decode_kernel(variant)
     q, cache, table, lens = _case(num_reqs, heads, kv_heads, head_dim, dtype, heads, base)
     out = kernel(q, cache, table, lens, head_dim**-0.5)
     ref = _reference(q, cache, table, lens)
@@ -82,15 +99,15 @@ def test_decode_kernel_matches_the_reference(
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("variant", runnable())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_reqs", "base"), [(1, SHORT), (3, SHORT), (8, SHORT), (2, LONG)])
 def test_decode_kernel_gives_the_same_bits_whatever_the_thread_count(
-    dtype: torch.dtype, num_reqs: int, base: tuple[int, ...]
+    variant: Variant, dtype: torch.dtype, num_reqs: int, base: tuple[int, ...]
 ) -> None:
     """The thread count decides how a request's heads are split into work items; each head's
     arithmetic, and how a long request's keys are split into parts, must not depend on it."""
-    kernel = load_paged_decode()
-    assert kernel is not None
+    kernel = decode_kernel(variant)
     q, cache, table, lens = _case(num_reqs, 16, 8, 128, dtype, num_reqs, base)
     threads = torch.get_num_threads()
     outs = []
@@ -101,3 +118,12 @@ def test_decode_kernel_gives_the_same_bits_whatever_the_thread_count(
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_a_variant_outside_the_build_is_refused() -> None:
+    lib = load_library("paged_decode")
+    assert lib is not None
+    assert "scalar" in PagedDecodeKernel(lib, "scalar").compiled()
+    with pytest.raises(ValueError, match="not in this build"):
+        PagedDecodeKernel(lib, "sve")  # type: ignore[arg-type]
+    assert load_paged_decode("sve") is None  # type: ignore[arg-type]

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from kvferry.kv_layout import KVCacheLayout, layout_of
-from kvferry.native.paged_decode import load_paged_decode
+from kvferry.native.paged_decode import Variant, load_paged_decode
 from kvferry.native.paged_prefill import load_paged_prefill
+from kvferry.worker.cpu_features import cpu_features
+from tests.native.test_paged_decode_kernel import decode_kernel, runnable
 from tests.native.test_paged_prefill import amx_kernel
 from tests.native.test_sliding_window_kernels import _reference as windowed_reference
 
@@ -69,12 +71,14 @@ def test_prefill_reads_hnd_like_nhd(
     _close(out, _reference(q, nhd, block_ids, ctx, window), dtype)
 
 
+@pytest.mark.parametrize("variant", runnable())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_reqs", [3, 40])  # one head per item, and whole requests
 @pytest.mark.parametrize("window", [None, 11])
-def test_decode_reads_hnd_like_nhd(dtype: torch.dtype, num_reqs: int, window: int | None) -> None:
-    kernel = load_paged_decode()
-    assert kernel is not None
+def test_decode_reads_hnd_like_nhd(
+    variant: Variant, dtype: torch.dtype, num_reqs: int, window: int | None
+) -> None:
+    kernel = decode_kernel(variant)
     heads, kv_heads, head_dim, block_size = 8, 4, 32, 16
     gen = torch.Generator().manual_seed(num_reqs)
     lens = torch.randint(1, 70, (num_reqs,), generator=gen)
@@ -94,7 +98,7 @@ def test_decode_reads_hnd_like_nhd(dtype: torch.dtype, num_reqs: int, window: in
 
 
 def test_kernels_refuse_a_cache_dense_in_no_layout() -> None:
-    decode, prefill = load_paged_decode(), load_paged_prefill()
+    decode, prefill = load_paged_decode(cpu_features().isa), load_paged_prefill()
     assert decode is not None and prefill is not None
     cache = torch.zeros(2, 4, 16, 2, 32)
     q = torch.zeros(3, 4, 32)

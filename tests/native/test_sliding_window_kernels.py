@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvferry.native.paged_decode import load_paged_decode
+from kvferry.native.paged_decode import Variant
 from kvferry.native.paged_prefill import load_paged_prefill
+from tests.native.test_paged_decode_kernel import decode_kernel, runnable
 from tests.native.test_paged_prefill import amx_kernel
 
 pytestmark = pytest.mark.skipif(
@@ -89,6 +90,7 @@ def test_prefill_window(
     _close(out, _reference(q, cache, block_ids, ctx, window), dtype)
 
 
+@pytest.mark.parametrize("variant", runnable())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("window", "lens"),
@@ -96,9 +98,8 @@ def test_prefill_window(
     # (from the window's first block on), merged afterwards.
     [(w, [1, 6, 17, 40, 95, 130]) for w in (1, 5, 16, 37)] + [(150, [300, 700]), (37, [700])],
 )
-def test_decode_window(dtype: torch.dtype, window: int, lens: list[int]) -> None:
-    kernel = load_paged_decode()
-    assert kernel is not None
+def test_decode_window(variant: Variant, dtype: torch.dtype, window: int, lens: list[int]) -> None:
+    kernel = decode_kernel(variant)
     heads, kv_heads, head_dim, block_size = 8, 2, 32, 16
     caches, tables = [], []
     pool_blocks = sum(-(-n // block_size) for n in lens)

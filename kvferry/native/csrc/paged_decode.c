@@ -7,9 +7,12 @@
  * a request's kv heads (whole requests when there are enough of them to keep every thread
  * busy), or, in a call of a few requests, parts of a request's keys over all its heads,
  * merged afterwards; they are spread over OpenMP threads, and the query heads that share a
- * kv head are served by one pass over its keys and values. With AVX2 and a head_dim that is
- * a multiple of 8, vector items serve every call (fp32 and bf16); the portable items serve
- * the rest.
+ * kv head are served by one pass over its keys and values.
+ *
+ * Variants (the `variant` argument, KVF_SCALAR, KVF_AVX2 or KVF_AVX512;
+ * kvf_paged_decode_variants() says which are in this build, and the caller must only ask for
+ * one the CPU runs): vector items serve calls whose head_dim the variant's vectors tile (16
+ * floats for AVX-512, 8 for AVX2, the widest that fits), the portable items the rest.
  *
  * Layouts (all C-contiguous except q's row stride and the cache's inner strides):
  *   q      [num_reqs, num_heads, head_dim], row r at q + r * q_row_stride
@@ -32,6 +35,10 @@
 #include <string.h>
 
 #include "bf16.h"
+
+#define KVF_SCALAR 0
+#define KVF_AVX2 1
+#define KVF_AVX512 2
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
@@ -201,129 +208,172 @@ static inline void prefetch_rows(const char *p, int64_t n, int64_t stride, int64
 DEFINE_ITEM(item_f32, float, ROW_F32)
 DEFINE_ITEM(item_bf16, bf16_t, ROW_BF16)
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__) && defined(__GNUC__)
 #include "avx2.h"
 
-/* ---- AVX2 + FMA items: the same arithmetic with bf16 widened in registers ---------------
+/* ---- vector items: the same arithmetic with bf16 widened in registers ------------------
  * The portable item is bound by its own instructions, not by memory: bf16 rows widened
  * through a buffer, one horizontal sum per score. Here four tokens' scores for two query
  * heads build up in eight registers over one pass of the keys and four sums are reduced at
- * once; the values are added four tokens at a time into two query heads' rows. PF 1: each
- * run of four tokens prefetches the next four's rows (the next block's first four at a
- * block's end); bf16 reads gain 5-16% from it, fp32 ones lose 7-16% (AVX2-only Zen 2). PF 2:
- * each run prefetches the same four rows of the block the pass reads next (the values' first
- * block after the keys' last), which no hardware prefetcher can guess; fp32 reads gain
- * 17-45% from it, bf16 ones do not (Intel Xeon with AMX; docs/benchmarks.md). */
+ * once; the values are added four tokens at a time into two query heads' rows. One body,
+ * two widths: AVX2 (8 lanes) and AVX-512 (16 lanes, half the instructions per byte, which
+ * lets the reads overlap the arithmetic better), compiled through target attributes whatever
+ * -march says. PF 1: each run of four tokens prefetches the next four's rows (the next
+ * block's first four at a block's end) into L1; bf16 reads gain 5-16% from it, fp32 ones
+ * lose 7-16% (AVX2-only Zen 2). PF 2: each run prefetches the same four rows of the block
+ * the pass reads next (the values' first block after the keys' last), which no hardware
+ * prefetcher can guess: fp32 reads gain 17-45% from it, bf16 ones do not (Intel Xeon with
+ * AMX; docs/benchmarks.md). It asks for L2, not L1: a run's lines asked for at once would
+ * queue behind L1's few fill buffers and stall the arithmetic behind them. */
 
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+#define V_ATTR_avx2 __attribute__((target("avx2,fma")))
+#define V_ATTR_avx512 __attribute__((target("avx512f,avx2,fma")))
+
+#define avx2_vec __m256
+#define avx2_W 8
+#define avx2_zero() _mm256_setzero_ps()
+#define avx2_loadu(p) _mm256_loadu_ps(p)
+#define avx2_storeu(p, v) _mm256_storeu_ps(p, v)
+#define avx2_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define avx2_set1(x) _mm256_set1_ps(x)
+#define avx2_hsum(a) hsum256(a)
+#define avx2_hsum4(a0, a1, a2, a3) hsum4(a0, a1, a2, a3)
+#define avx2_load_f32(p) _mm256_loadu_ps(p)
+#define avx2_load_bf16(p) widen256(p)
+
+#define avx512_vec __m512
+#define avx512_W 16
+#define avx512_zero() _mm512_setzero_ps()
+#define avx512_loadu(p) _mm512_loadu_ps(p)
+#define avx512_storeu(p, v) _mm512_storeu_ps(p, v)
+#define avx512_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define avx512_set1(x) _mm512_set1_ps(x)
+#define avx512_hsum(a) _mm512_reduce_add_ps(a)
+#define avx512_hsum4(a0, a1, a2, a3) hsum4(fold512(a0), fold512(a1), fold512(a2), fold512(a3))
+#define avx512_load_f32(p) _mm512_loadu_ps(p)
+#define avx512_load_bf16(p) widen512(p)
 
 /* The lane sums of a0..a3, in that order. */
-static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+KVF_AVX2_FN __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+#define KVF_AVX512_FN __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
+
+/* 16 lanes summed pairwise into 8 (lane i + lane i + 8). */
+KVF_AVX512_FN __m256 fold512(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* 16 bf16 as 16 fp32, in order (see widen256). */
+KVF_AVX512_FN __m512 widen512(const uint16_t *p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
 /* Row j of the block at `base`: the item's heads of its token j. */
 #define ROW_AT(base, j) ((base) + (j) * tok_stride)
 
-#define DEFINE_AVX2_ITEM(NAME, T, LOAD8, PF)                                                  \
+#define DEFINE_VEC_ITEM(NAME, T, V, LOAD, PF)                                                 \
     /* Scores of tokens k, k + ts, k + 2ts, k + 3ts against query rows qa and qb. */          \
-    static inline void NAME##_k4x2(const float *qa, const float *qb, const T *k, int64_t ts, \
-                                   int64_t d, float *sa, float *sb) {                         \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
-        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                            \
-        for (int64_t c = 0; c < d; c += 8) {                                                  \
-            const __m256 q0 = _mm256_loadu_ps(qa + c), q1 = _mm256_loadu_ps(qb + c);          \
-            const __m256 k0 = LOAD8(k + c), k1 = LOAD8(k + ts + c);                           \
-            const __m256 k2 = LOAD8(k + 2 * ts + c), k3 = LOAD8(k + 3 * ts + c);              \
-            a0 = _mm256_fmadd_ps(q0, k0, a0);                                                 \
-            a1 = _mm256_fmadd_ps(q0, k1, a1);                                                 \
-            a2 = _mm256_fmadd_ps(q0, k2, a2);                                                 \
-            a3 = _mm256_fmadd_ps(q0, k3, a3);                                                 \
-            b0 = _mm256_fmadd_ps(q1, k0, b0);                                                 \
-            b1 = _mm256_fmadd_ps(q1, k1, b1);                                                 \
-            b2 = _mm256_fmadd_ps(q1, k2, b2);                                                 \
-            b3 = _mm256_fmadd_ps(q1, k3, b3);                                                 \
+    V_ATTR_##V static inline void NAME##_k4x2(const float *qa, const float *qb, const T *k,  \
+                                              int64_t ts, int64_t d, float *sa, float *sb) { \
+        V##_vec a0 = V##_zero(), a1 = a0, a2 = a0, a3 = a0;                                   \
+        V##_vec b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                           \
+        for (int64_t c = 0; c < d; c += V##_W) {                                              \
+            const V##_vec q0 = V##_loadu(qa + c), q1 = V##_loadu(qb + c);                     \
+            const V##_vec k0 = LOAD(k + c), k1 = LOAD(k + ts + c);                            \
+            const V##_vec k2 = LOAD(k + 2 * ts + c), k3 = LOAD(k + 3 * ts + c);               \
+            a0 = V##_fma(q0, k0, a0);                                                         \
+            a1 = V##_fma(q0, k1, a1);                                                         \
+            a2 = V##_fma(q0, k2, a2);                                                         \
+            a3 = V##_fma(q0, k3, a3);                                                         \
+            b0 = V##_fma(q1, k0, b0);                                                         \
+            b1 = V##_fma(q1, k1, b1);                                                         \
+            b2 = V##_fma(q1, k2, b2);                                                         \
+            b3 = V##_fma(q1, k3, b3);                                                         \
         }                                                                                     \
-        _mm_storeu_ps(sa, hsum4(a0, a1, a2, a3));                                             \
-        _mm_storeu_ps(sb, hsum4(b0, b1, b2, b3));                                             \
+        _mm_storeu_ps(sa, V##_hsum4(a0, a1, a2, a3));                                         \
+        _mm_storeu_ps(sb, V##_hsum4(b0, b1, b2, b3));                                         \
     }                                                                                         \
-    static inline void NAME##_k4x1(const float *qa, const T *k, int64_t ts, int64_t d,       \
-                                   float *sa) {                                               \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
-        for (int64_t c = 0; c < d; c += 8) {                                                  \
-            const __m256 q0 = _mm256_loadu_ps(qa + c);                                        \
-            a0 = _mm256_fmadd_ps(q0, LOAD8(k + c), a0);                                       \
-            a1 = _mm256_fmadd_ps(q0, LOAD8(k + ts + c), a1);                                  \
-            a2 = _mm256_fmadd_ps(q0, LOAD8(k + 2 * ts + c), a2);                              \
-            a3 = _mm256_fmadd_ps(q0, LOAD8(k + 3 * ts + c), a3);                              \
+    V_ATTR_##V static inline void NAME##_k4x1(const float *qa, const T *k, int64_t ts,       \
+                                              int64_t d, float *sa) {                         \
+        V##_vec a0 = V##_zero(), a1 = a0, a2 = a0, a3 = a0;                                   \
+        for (int64_t c = 0; c < d; c += V##_W) {                                              \
+            const V##_vec q0 = V##_loadu(qa + c);                                             \
+            a0 = V##_fma(q0, LOAD(k + c), a0);                                                \
+            a1 = V##_fma(q0, LOAD(k + ts + c), a1);                                           \
+            a2 = V##_fma(q0, LOAD(k + 2 * ts + c), a2);                                       \
+            a3 = V##_fma(q0, LOAD(k + 3 * ts + c), a3);                                       \
         }                                                                                     \
-        _mm_storeu_ps(sa, hsum4(a0, a1, a2, a3));                                             \
+        _mm_storeu_ps(sa, V##_hsum4(a0, a1, a2, a3));                                         \
     }                                                                                         \
-    static inline float NAME##_k1(const float *qa, const T *k, int64_t d) {                  \
-        __m256 a = _mm256_setzero_ps();                                                       \
-        for (int64_t c = 0; c < d; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qa + c), LOAD8(k + c), a); \
-        return hsum256(a);                                                                    \
+    V_ATTR_##V static inline float NAME##_k1(const float *qa, const T *k, int64_t d) {       \
+        V##_vec a = V##_zero();                                                               \
+        for (int64_t c = 0; c < d; c += V##_W) a = V##_fma(V##_loadu(qa + c), LOAD(k + c), a); \
+        return V##_hsum(a);                                                                   \
     }                                                                                         \
     /* y += p[0] v + p[1] v[ts] + p[2] v[2ts] + p[3] v[3ts] for n query heads: rows y ys    \
      * apart, their scores p ps apart. */                                                  \
-    static inline void NAME##_v4(float *y, int64_t ys, const float *p, int64_t ps, int64_t n, \
-                                 const T *v, int64_t ts, int64_t d) {                         \
+    V_ATTR_##V static inline void NAME##_v4(float *y, int64_t ys, const float *p, int64_t ps, \
+                                            int64_t n, const T *v, int64_t ts, int64_t d) {   \
         for (int64_t x = 0; x + 1 < n; x += 2) {                                              \
             const float *pa = p + x * ps, *pb = pa + ps;                                      \
-            const __m256 a0 = _mm256_set1_ps(pa[0]), a1 = _mm256_set1_ps(pa[1]);              \
-            const __m256 a2 = _mm256_set1_ps(pa[2]), a3 = _mm256_set1_ps(pa[3]);              \
-            const __m256 b0 = _mm256_set1_ps(pb[0]), b1 = _mm256_set1_ps(pb[1]);              \
-            const __m256 b2 = _mm256_set1_ps(pb[2]), b3 = _mm256_set1_ps(pb[3]);              \
+            const V##_vec a0 = V##_set1(pa[0]), a1 = V##_set1(pa[1]);                         \
+            const V##_vec a2 = V##_set1(pa[2]), a3 = V##_set1(pa[3]);                         \
+            const V##_vec b0 = V##_set1(pb[0]), b1 = V##_set1(pb[1]);                         \
+            const V##_vec b2 = V##_set1(pb[2]), b3 = V##_set1(pb[3]);                         \
             float *ya = y + x * ys, *yb = ya + ys;                                            \
-            for (int64_t c = 0; c < d; c += 8) {                                              \
-                const __m256 v0 = LOAD8(v + c), v1 = LOAD8(v + ts + c);                       \
-                const __m256 v2 = LOAD8(v + 2 * ts + c), v3 = LOAD8(v + 3 * ts + c);          \
-                __m256 s = _mm256_loadu_ps(ya + c), t = _mm256_loadu_ps(yb + c);              \
-                s = _mm256_fmadd_ps(a0, v0, s);                                               \
-                t = _mm256_fmadd_ps(b0, v0, t);                                               \
-                s = _mm256_fmadd_ps(a1, v1, s);                                               \
-                t = _mm256_fmadd_ps(b1, v1, t);                                               \
-                s = _mm256_fmadd_ps(a2, v2, s);                                               \
-                t = _mm256_fmadd_ps(b2, v2, t);                                               \
-                s = _mm256_fmadd_ps(a3, v3, s);                                               \
-                t = _mm256_fmadd_ps(b3, v3, t);                                               \
-                _mm256_storeu_ps(ya + c, s);                                                  \
-                _mm256_storeu_ps(yb + c, t);                                                  \
+            for (int64_t c = 0; c < d; c += V##_W) {                                          \
+                const V##_vec v0 = LOAD(v + c), v1 = LOAD(v + ts + c);                        \
+                const V##_vec v2 = LOAD(v + 2 * ts + c), v3 = LOAD(v + 3 * ts + c);           \
+                V##_vec s = V##_loadu(ya + c), t = V##_loadu(yb + c);                         \
+                s = V##_fma(a0, v0, s);                                                       \
+                t = V##_fma(b0, v0, t);                                                       \
+                s = V##_fma(a1, v1, s);                                                       \
+                t = V##_fma(b1, v1, t);                                                       \
+                s = V##_fma(a2, v2, s);                                                       \
+                t = V##_fma(b2, v2, t);                                                       \
+                s = V##_fma(a3, v3, s);                                                       \
+                t = V##_fma(b3, v3, t);                                                       \
+                V##_storeu(ya + c, s);                                                        \
+                V##_storeu(yb + c, t);                                                        \
             }                                                                                 \
         }                                                                                     \
         if (n % 2) {                                                                          \
             const float *pa = p + (n - 1) * ps;                                               \
-            const __m256 a0 = _mm256_set1_ps(pa[0]), a1 = _mm256_set1_ps(pa[1]);              \
-            const __m256 a2 = _mm256_set1_ps(pa[2]), a3 = _mm256_set1_ps(pa[3]);              \
+            const V##_vec a0 = V##_set1(pa[0]), a1 = V##_set1(pa[1]);                         \
+            const V##_vec a2 = V##_set1(pa[2]), a3 = V##_set1(pa[3]);                         \
             float *ya = y + (n - 1) * ys;                                                     \
-            for (int64_t c = 0; c < d; c += 8) {                                              \
-                __m256 s = _mm256_loadu_ps(ya + c);                                           \
-                s = _mm256_fmadd_ps(a0, LOAD8(v + c), s);                                     \
-                s = _mm256_fmadd_ps(a1, LOAD8(v + ts + c), s);                                \
-                s = _mm256_fmadd_ps(a2, LOAD8(v + 2 * ts + c), s);                            \
-                s = _mm256_fmadd_ps(a3, LOAD8(v + 3 * ts + c), s);                            \
-                _mm256_storeu_ps(ya + c, s);                                                  \
+            for (int64_t c = 0; c < d; c += V##_W) {                                          \
+                V##_vec s = V##_loadu(ya + c);                                                \
+                s = V##_fma(a0, LOAD(v + c), s);                                              \
+                s = V##_fma(a1, LOAD(v + ts + c), s);                                         \
+                s = V##_fma(a2, LOAD(v + 2 * ts + c), s);                                     \
+                s = V##_fma(a3, LOAD(v + 3 * ts + c), s);                                     \
+                V##_storeu(ya + c, s);                                                        \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    static inline void NAME##_v1(float *y, int64_t ys, const float *p, int64_t ps, int64_t n, \
-                                 const T *v, int64_t d) {                                     \
+    V_ATTR_##V static inline void NAME##_v1(float *y, int64_t ys, const float *p, int64_t ps, \
+                                            int64_t n, const T *v, int64_t d) {               \
         for (int64_t x = 0; x < n; x++) {                                                     \
-            const __m256 a = _mm256_set1_ps(p[x * ps]);                                       \
-            for (int64_t c = 0; c < d; c += 8)                                                \
-                _mm256_storeu_ps(y + x * ys + c,                                              \
-                                 _mm256_fmadd_ps(a, LOAD8(v + c), _mm256_loadu_ps(y + x * ys + c))); \
+            const V##_vec a = V##_set1(p[x * ps]);                                            \
+            for (int64_t c = 0; c < d; c += V##_W)                                            \
+                V##_storeu(y + x * ys + c, V##_fma(a, LOAD(v + c), V##_loadu(y + x * ys + c))); \
         }                                                                                     \
     }                                                                                         \
     /* The portable item's contract, with two passes (keys, then values) over its blocks,   \
      * four rows at a time. */                                                                \
-    static void NAME(const float *qf, const T *cache, int64_t num_blocks, int64_t block_size, \
-                     int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,              \
-                     int64_t head_stride, const int64_t *brow, int64_t len, int64_t h0,       \
-                     int64_t nh, int64_t group, float scale, int64_t window, int64_t a,        \
-                     int64_t b, float *scores, float *acc, float *gmax, float *gsum,           \
-                     float *rows) {                                                           \
+    V_ATTR_##V static void NAME(const float *qf, const T *cache, int64_t num_blocks,         \
+                                int64_t block_size, int64_t num_kv_heads, int64_t head_dim,   \
+                                int64_t tok_stride, int64_t head_stride, const int64_t *brow, \
+                                int64_t len, int64_t h0, int64_t nh, int64_t group,           \
+                                float scale, int64_t window, int64_t a, int64_t b,            \
+                                float *scores, float *acc, float *gmax, float *gsum,          \
+                                float *rows) {                                                \
         (void)rows;                                                                           \
         const int64_t lo = first_key(len, window);                                            \
         const int64_t block_elems = block_size * num_kv_heads * head_dim;                     \
@@ -361,7 +411,8 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                                                    : 0;                                       \
                         for (int64_t u = 0; pf && u < 4; u++)                                 \
                             for (int64_t c = 0; c < d * (int64_t)sizeof(T); c += 64)          \
-                                _mm_prefetch((const char *)(pf + u * ts) + c, _MM_HINT_T0);   \
+                                _mm_prefetch((const char *)(pf + u * ts) + c,                 \
+                                             PF == 2 ? _MM_HINT_T1 : _MM_HINT_T0);            \
                         const int64_t x0 = h * group;                                         \
                         if (pass == 0) {                                                      \
                             int64_t x = x0;                                                   \
@@ -394,9 +445,17 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
         if (!gmax) normalise_rows(acc, gsum, nq, head_dim);                                   \
     }
 
-DEFINE_AVX2_ITEM(avx2_item_f32, float, load8_f32, 2)
-DEFINE_AVX2_ITEM(avx2_item_bf16, bf16_t, widen256, 1)
-#define HAVE_AVX2_ITEMS 1
+DEFINE_VEC_ITEM(avx2_item_f32, float, avx2, avx2_load_f32, 2)
+DEFINE_VEC_ITEM(avx2_item_bf16, bf16_t, avx2, avx2_load_bf16, 1)
+DEFINE_VEC_ITEM(avx512_item_f32, float, avx512, avx512_load_f32, 2)
+DEFINE_VEC_ITEM(avx512_item_bf16, bf16_t, avx512, avx512_load_bf16, 1)
+#define KVF_VARIANTS ((1 << KVF_SCALAR) | (1 << KVF_AVX2) | (1 << KVF_AVX512))
+#else
+#define KVF_VARIANTS (1 << KVF_SCALAR)
+#define avx2_item_f32 item_f32
+#define avx2_item_bf16 item_bf16
+#define avx512_item_f32 item_f32
+#define avx512_item_bf16 item_bf16
 #endif
 
 static int64_t max_len(const int64_t *lens, int64_t n) {
@@ -472,12 +531,14 @@ static void merge_parts(const float *partial, int64_t parts, int64_t nq, int64_t
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
-#define DEFINE_DRIVER(NAME, T, ITEM, FAST_ITEM, WIDEN_Q, STORE_OUT)                           \
+#define DEFINE_DRIVER(NAME, T, ITEM, AVX2_ITEM, AVX512_ITEM, WIDEN_Q, STORE_OUT)              \
     int NAME(const T *q, int64_t q_row_stride, const T *cache, int64_t num_blocks,           \
              int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t tok_stride,  \
              int64_t head_stride, const int64_t *table, int64_t table_stride,                 \
              const int64_t *lens, int64_t num_reqs, int64_t group, float scale,               \
-             int64_t window, T *out, int num_threads) {                                       \
+             int64_t window, int variant, T *out, int num_threads) {                          \
+        if (variant < 0 || variant > KVF_AVX512 || !(KVF_VARIANTS & (1 << variant)))         \
+            return -2;                                                                        \
         const int64_t longest = max_len(lens, num_reqs);                                      \
         /* Split: items are (request, part) over all heads; else (request, run of heads). */  \
         const int split = num_reqs < SPLIT_BELOW_REQS && head_stride == head_dim;             \
@@ -485,7 +546,10 @@ static void merge_parts(const float *partial, int64_t parts, int64_t nq, int64_t
                                  : heads_per_item(num_reqs, num_kv_heads, head_dim,           \
                                                   head_stride, num_threads);                  \
         const int64_t per_kv = num_kv_heads / nh, nq = nh * group;                            \
-        const int fast = HAVE_AVX2_ITEMS && head_dim % 8 == 0;                                \
+        /* The widest items whose vectors tile head_dim. */                                  \
+        const int level = variant == KVF_AVX512 && head_dim % 16 == 0 ? KVF_AVX512            \
+                          : variant >= KVF_AVX2 && head_dim % 8 == 0  ? KVF_AVX2              \
+                                                                      : KVF_SCALAR;           \
         int64_t starts[SPLIT_BELOW_REQS + 1] = {0}, items = num_reqs * per_kv;                \
         float *partial = NULL; /* per part: its acc, then its rows' max and sum */           \
         const int64_t part_floats = nq * (head_dim + 2);                                      \
@@ -520,7 +584,9 @@ static void merge_parts(const float *partial, int64_t parts, int64_t nq, int64_t
                 part_range(lens[r], window, block_size, p, parts, &a, &b);                    \
                 const T *qr = q + r * q_row_stride + h0 * group * head_dim;                   \
                 float *part = parts > 1 ? partial + item * part_floats : NULL;                \
-                (fast ? FAST_ITEM : ITEM)(WIDEN_Q(qr), cache, num_blocks, block_size,         \
+                (level == KVF_AVX512 ? AVX512_ITEM                                            \
+                 : level == KVF_AVX2 ? AVX2_ITEM                                              \
+                                     : ITEM)(WIDEN_Q(qr), cache, num_blocks, block_size,         \
                                           num_kv_heads, head_dim, tok_stride, head_stride,    \
                                           table + r * table_stride, lens[r], h0, nh, group,   \
                                           scale, window, a, b, scores, part ? part : acc,     \
@@ -557,10 +623,10 @@ static inline void store_bf16(bf16_t *o, const float *acc, int64_t n) {
 
 #define Q_F32(qr) (qr)
 #define Q_BF16(qr) (widen(qf, (qr), nq * head_dim), qf)
-#ifndef HAVE_AVX2_ITEMS
-#define HAVE_AVX2_ITEMS 0
-#define avx2_item_f32 item_f32
-#define avx2_item_bf16 item_bf16
-#endif
-DEFINE_DRIVER(kvf_paged_decode_f32, float, item_f32, avx2_item_f32, Q_F32, store_f32)
-DEFINE_DRIVER(kvf_paged_decode_bf16, bf16_t, item_bf16, avx2_item_bf16, Q_BF16, store_bf16)
+/* Bit v set: variant v (KVF_SCALAR, KVF_AVX2, KVF_AVX512) is in this build. */
+int kvf_paged_decode_variants(void) { return KVF_VARIANTS; }
+
+DEFINE_DRIVER(kvf_paged_decode_f32, float, item_f32, avx2_item_f32, avx512_item_f32, Q_F32,
+              store_f32)
+DEFINE_DRIVER(kvf_paged_decode_bf16, bf16_t, item_bf16, avx2_item_bf16, avx512_item_bf16, Q_BF16,
+              store_bf16)

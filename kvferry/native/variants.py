@@ -1,0 +1,26 @@
+"""Instruction-set variants of the C kernels that hold several in one build: each such source
+compiles its variants through target attributes, says which it holds through
+``kvf_<name>_variants()`` (a bit mask), and takes the chosen one's number as an argument."""
+
+from __future__ import annotations
+
+import ctypes
+
+# Variant numbers shared by the C sources (KVF_SCALAR, KVF_AVX2, KVF_AVX512, KVF_AVX512BF16,
+# KVF_AMX).
+VARIANT_CODES: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
+
+
+def compiled_variants(lib: ctypes.CDLL, name: str) -> tuple[str, ...]:
+    """The variants ``lib``'s build of kernel ``name`` holds, narrowest first."""
+    variants = getattr(lib, f"kvf_{name}_variants")
+    variants.restype = ctypes.c_int
+    mask = variants()
+    return tuple(v for v, bit in VARIANT_CODES.items() if mask & (1 << bit))
+
+
+def variant_code(name: str, variant: str, compiled: tuple[str, ...]) -> int:
+    """``variant``'s number; ValueError when the build lacks it."""
+    if variant not in compiled:
+        raise ValueError(f"{name} variant {variant!r} is not in this build")
+    return VARIANT_CODES[variant]
