@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from kvferry.native.rows_linear import RowsLinearKernel, load_rows_kernel
+from kvferry.native.variants import IsaVariant
 
-Variant = Literal["scalar", "avx2", "avx512"]
+Variant = IsaVariant
 
 
 class F32LinearKernel(RowsLinearKernel):

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 
 from kvferry.native.build import load_library
 from kvferry.native.paged_kv import PagedKVKernel
-from kvferry.native.variants import compiled_variants, variant_code
+from kvferry.native.variants import IsaVariant, compiled_variants, variant_code
 
-Variant = Literal["scalar", "avx2", "avx512"]
+Variant = IsaVariant
 
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # block table
