@@ -1,9 +1,9 @@
 """Decode step time per batch size, each dtype against the others, next to its floors.
 
 Each launch is a fresh process with one ``LLM`` in one dtype. For every batch size B it
-generates B fresh random prompts of ``--prompt-len`` tokens twice: once for one token (the
-prefill and the first token) and once for ``1 + --steps`` tokens, ``--reps`` times; the
-difference over ``--steps`` is one decode step of B rows. Launches alternate between the
+prefills B fresh random prompts of ``--prompt-len`` tokens and times their ``--steps`` decode
+steps one by one, ``--reps`` times; a decode step of B rows is the median of those steps
+(:func:`~benchmarks.harness.decode_steps.timed_decode_steps`). Launches alternate between the
 dtypes (``--launches`` each), so a machine that drifts slows all alike, and the dtype ratio is
 taken launch pair by launch pair.
 
@@ -24,7 +24,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ if __package__ in (None, ""):
 
 from benchmarks.harness.bandwidth import measure_copy_bandwidth, weight_bytes_per_pass
 from benchmarks.harness.compute import linear_flops, load_config, measure_matmul_rate
+from benchmarks.harness.decode_steps import random_prompts, timed_decode_steps
 from benchmarks.harness.markdown import markdown_table
 from benchmarks.harness.models import bench_model
 from benchmarks.harness.paths import REPO_ROOT
@@ -48,26 +48,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from kvferry import LLM, SamplingParams
 
     llm = LLM(model=args.model_dir, dtype=args.child, max_model_len=args.prompt_len + 64)
-    vocab = llm.engine.config.model_config.arch.vocab_size
+    engine = llm.engine
     rng = random.Random(args.seed)
-
-    def run(batch: int, tokens: int) -> float:
-        prompts = [
-            {"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.prompt_len)]}
-            for _ in range(batch)
-        ]
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t
-
-    run(1, 2)  # builds, first touch of the KV pool
+    # Builds the kernels and first touches the KV pool.
+    warm = [{"prompt_token_ids": p} for p in random_prompts(engine, rng, 1, args.prompt_len)]
+    llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
     steps: dict[str, float] = {}
     for batch in args.batches:
-        per_rep = [
-            (run(batch, 1 + args.steps) - run(batch, 1)) / args.steps for _ in range(args.reps)
-        ]
-        steps[str(batch)] = statistics.median(per_rep)
+        times: list[float] = []
+        for _ in range(args.reps):
+            prompts = random_prompts(engine, rng, batch, args.prompt_len)
+            times += timed_decode_steps(engine, prompts, args.steps)
+        steps[str(batch)] = statistics.median(times)
     backend = llm.engine.executor.worker.model_runner.cpu_backend
     return {"step_s": steps, "cpu_paths": backend.describe() if backend else {}}
 

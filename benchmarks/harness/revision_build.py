@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.decode_steps import random_prompts, timed_decode_steps
 from benchmarks.harness.models import bench_model
 from benchmarks.harness.paths import REPO_ROOT
 from benchmarks.harness.quiet import read_loadavg, wait_until
@@ -103,33 +104,24 @@ def paired_decode_steps(
     (the first build alternating by round), so both see the same batch at nearly the same
     context; a round's value per build is the median of its 16 steps. The engine is left on
     ``"current"``."""
-    from kvferry import SamplingParams
-
     engine = llm.engine
-    vocab = engine.config.model_config.arch.vocab_size
-    params = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
     steps: dict[str, list[float]] = {name: [] for name in BUILDS}
     generate_s(llm, rng, nreq, ctx, 2)  # first touch of the blocks this case uses
     for r in range(rounds):
         order = alternating(BUILDS, r)
         use("current")
-        for _ in range(nreq):
-            prompt = [rng.randrange(vocab) for _ in range(ctx)]
-            engine.add_request({"prompt_token_ids": prompt}, params)
-        times: dict[str, list[float]] = {name: [] for name in BUILDS}
-        while engine.has_unfinished_requests():
-            sched = engine.scheduler
-            decoding = not sched.waiting and all(
-                q.num_computed_tokens >= q.num_prompt_tokens for q in sched.running
+        names: list[str] = []
+
+        def before(i: int, order: list[str] = order, names: list[str] = names) -> None:
+            names.append(order[i % 2])
+            use(names[-1])
+
+        prompts = random_prompts(engine, rng, nreq, ctx)
+        times = timed_decode_steps(engine, prompts, 32, before)
+        for name in BUILDS:
+            steps[name].append(
+                statistics.median(t for n, t in zip(names, times, strict=True) if n == name)
             )
-            name = order[sum(map(len, times.values())) % 2] if decoding else "current"
-            use(name)
-            t = time.perf_counter()
-            engine.step()
-            if decoding:
-                times[name].append(time.perf_counter() - t)
-        for name, ts in times.items():
-            steps[name].append(statistics.median(ts))
     use("current")
     return steps
 
