@@ -45,14 +45,13 @@ SHORT = {dtype: short for short, dtype in DTYPES.items()}
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One launch: decode step seconds per batch size (median over reps), and the CPU paths."""
-    from kvferry import LLM, SamplingParams
+    from kvferry import LLM
 
     llm = LLM(model=args.model_dir, dtype=args.child, max_model_len=args.prompt_len + 64)
     engine = llm.engine
     rng = random.Random(args.seed)
     # Builds the kernels and first touches the KV pool.
-    warm = [{"prompt_token_ids": p} for p in random_prompts(engine, rng, 1, args.prompt_len)]
-    llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
+    timed_decode_steps(engine, random_prompts(engine, rng, 1, args.prompt_len), 1)
     steps: dict[str, float] = {}
     for batch in args.batches:
         times: list[float] = []

@@ -37,8 +37,6 @@ class PagedDecodeKernel(PagedKVKernel):
     narrower one.
     """
 
-    VARIANTS: tuple[Variant, ...] = ("scalar", "avx2", "avx512")
-
     def __init__(self, lib: ctypes.CDLL, variant: Variant) -> None:
         super().__init__(lib, "kvf_paged_decode", _ARGTYPES, "paged decode attention")
         self._compiled = cast(tuple[Variant, ...], compiled_variants(lib, "paged_decode"))

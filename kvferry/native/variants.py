@@ -9,8 +9,8 @@ from typing import Literal
 
 # The levels of kernels with one variant per vector width (KVFERRY_CPU_ISA's levels).
 IsaVariant = Literal["scalar", "avx2", "avx512"]
-# Variant numbers shared by the C sources (KVF_SCALAR, KVF_AVX2, KVF_AVX512, KVF_AVX512BF16,
-# KVF_AMX).
+# Variant numbers shared by the C sources (csrc/variants.h: KVF_SCALAR, KVF_AVX2, KVF_AVX512,
+# KVF_AVX512BF16, KVF_AMX).
 VARIANT_CODES: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
 
 

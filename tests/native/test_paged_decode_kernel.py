@@ -14,19 +14,14 @@ import torch
 
 from kvferry.native.build import load_library
 from kvferry.native.paged_decode import PagedDecodeKernel, Variant, load_paged_decode
-from kvferry.worker.cpu_features import ISA_LEVELS, cpu_features
+from kvferry.worker.cpu_features import cpu_features
+from tests.native.test_f32_linear import runnable
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler on this machine"
 )
 
 BLOCK = 16
-
-
-def runnable() -> list[Variant]:
-    """The variants this CPU runs."""
-    own = ISA_LEVELS.index(cpu_features().cpu_isa)
-    return [v for v in PagedDecodeKernel.VARIANTS if ISA_LEVELS.index(v) <= own]
 
 
 def decode_kernel(variant: Variant | None = None) -> PagedDecodeKernel:

@@ -35,12 +35,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "rows_linear.h"
-
-#define KVF_SCALAR 0
-#define KVF_AVX2 1
-#define KVF_AVX512 2
-#define KVF_AVX512BF16 3
-#define KVF_AMX 4
+#include "variants.h"
 
 /* Weight rows per tile (their K elements stay in L1 while every x row passes over them) and
  * x rows per tile, per variant: as many accumulators as the vector registers hold. */

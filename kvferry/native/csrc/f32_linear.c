@@ -20,10 +20,7 @@
 #include <stdint.h>
 
 #include "rows_linear.h"
-
-#define KVF_SCALAR 0
-#define KVF_AVX2 1
-#define KVF_AVX512 2
+#include "variants.h"
 
 /* Weight rows and x rows per tile: 12 accumulators, 3 weight vectors and an x vector fill
  * the 16 vector registers (4 x 3 was the fastest shape measured against 8 x 1, 6 x 2, 8 x 2

@@ -35,10 +35,7 @@
 #include <string.h>
 
 #include "bf16.h"
-
-#define KVF_SCALAR 0
-#define KVF_AVX2 1
-#define KVF_AVX512 2
+#include "variants.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
