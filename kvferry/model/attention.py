@@ -31,6 +31,12 @@ SPLIT_CONTEXT_MIN_SEQ = 2560
 _FLASH_LSE: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def _fill(dst: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rows`` into ``dst``, unless a kernel already wrote them there."""
+    if rows.data_ptr() != dst.data_ptr():
+        dst.copy_(rows)
+
+
 def _gather_blocks(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, buffers: GatherBuffers
 ) -> torch.Tensor:
@@ -167,21 +173,29 @@ class Attention(nn.Module):
         for plan in meta.decodes:
             if plan.token_range is not None:
                 start, stop = plan.token_range
-                out[start:stop] = self._decode(q[start:stop], kv_cache, plan, ws)
+                dst = out[start:stop]
+                _fill(dst, self._decode(q[start:stop], kv_cache, plan, ws, dst))
             else:
                 assert plan.token_index is not None
                 rows = self._decode(q[plan.token_index], kv_cache, plan, ws)
                 out.index_copy_(0, plan.token_index, rows)
         for p in meta.prefills:
-            out[p.token_start : p.token_stop] = self._prefill(q, k, v, kv_cache, p, ws)
+            dst = out[p.token_start : p.token_stop]
+            _fill(dst, self._prefill(q, k, v, kv_cache, p, ws, dst))
         return out
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, ws: AttentionWorkspace
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: DecodePlan,
+        ws: AttentionWorkspace,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q``: the group's rows ``[num_reqs, heads, d]``. The query heads that share a KV
         head are laid along the query-length axis, so one plain SDPA call covers GQA without
-        repeating K/V.
+        repeating K/V. The decode kernel writes into ``out`` when given (e.g. the group's
+        rows of a batch-wide output); the other paths return a new tensor.
 
         With ``ws.decode_gather_bytes`` the group is processed a few requests at a time so
         that the gathered K/V are still in cache when attention reads them; one big gather that
@@ -190,7 +204,7 @@ class Attention(nn.Module):
         kernel = ws.decode_kernel
         window = self.sliding_window
         if kernel is not None and kernel.supports(kv_cache, q):
-            return kernel(q, kv_cache, plan.block_table, plan.seq_lens, self.scale, window)
+            return kernel(q, kv_cache, plan.block_table, plan.seq_lens, self.scale, window, out=out)
         nreq, nblocks = plan.block_table.shape
         qg = q.view(nreq, self.num_kv_heads, self.group, self.head_dim)
         mask = plan.additive_mask(q.dtype, window)
@@ -202,14 +216,14 @@ class Attention(nn.Module):
             return self._decode_chunk(qg, kv_cache, plan.block_table, mask, ws.buffers).view(
                 q.shape
             )
-        out = torch.empty_like(qg)
+        res = torch.empty_like(qg)
         for start in range(0, nreq, step):
             rows = slice(start, start + step)
             m = None if mask is None else mask[rows]
-            out[rows] = self._decode_chunk(
+            res[rows] = self._decode_chunk(
                 qg[rows], kv_cache, plan.block_table[rows], m, ws.buffers
             )
-        return out.view(q.shape)
+        return res.view(q.shape)
 
     def _decode_chunk(
         self,
@@ -232,16 +246,18 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         p: PrefillPlan,
         ws: AttentionWorkspace,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One request's chunk; its K/V are already in ``kv_cache``. A prefill kernel reads
         the whole sequence from the pool in place; otherwise a fresh sequence attends to its
         own ``k``/``v`` and a chunk with context gathers its blocks and masks (from
-        :data:`SPLIT_CONTEXT_MIN_SEQ` tokens on a CPU: :meth:`_context_then_own`)."""
+        :data:`SPLIT_CONTEXT_MIN_SEQ` tokens on a CPU: :meth:`_context_then_own`). The kernel
+        writes into ``out`` when given, as :meth:`_decode`'s does."""
         qs = q[p.token_start : p.token_stop]
         kernel = ws.prefill_kernel
         window = self.sliding_window
         if kernel is not None and kernel.supports(kv_cache, qs):
-            return kernel(qs, kv_cache, p.block_ids, p.context_len, self.scale, window)
+            return kernel(qs, kv_cache, p.block_ids, p.context_len, self.scale, window, out=out)
         if p.context_len == 0:
             return self._causal(
                 qs, k[p.token_start : p.token_stop], v[p.token_start : p.token_stop]

@@ -55,12 +55,16 @@ class PagedDecodeKernel(PagedKVKernel):
         seq_lens: torch.Tensor,
         scale: float,
         window: int | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q``: ``[num_reqs, num_heads, head_dim]`` whose rows may be strided, heads and
         head_dim contiguous; ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``, NHD or HND;
         ``block_table``: ``[num_reqs, >= ceil(len / block_size)]`` int64, rows contiguous;
         ``seq_lens``: ``[num_reqs]`` int64, each >= 1. ``window``: a sliding window, the
-        query sees only the last ``window`` keys (blocks wholly before them are never read)."""
+        query sees only the last ``window`` keys (blocks wholly before them are never read).
+        ``out``: where the result goes (contiguous, shaped like ``q``), e.g. the rows of a
+        batch-wide output; None: a new tensor."""
         nreq, heads, _ = q.shape
         assert block_table.dtype == torch.int64 and block_table.stride()[1] == 1
         assert seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()
@@ -75,6 +79,7 @@ class PagedDecodeKernel(PagedKVKernel):
             scale,
             window or 0,
             self._code,
+            out=out,
         )
 
 

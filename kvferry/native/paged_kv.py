@@ -57,14 +57,23 @@ class PagedKVKernel:
             and layout_of(kv_cache) is not None
         )
 
-    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, *own: Any) -> torch.Tensor:
-        """Calls the entry point for ``q``'s dtype with the pool's geometry, ``own`` and a
-        new ``out`` shaped like ``q``."""
+    def _run(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, *own: Any, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Calls the entry point for ``q``'s dtype with the pool's geometry and ``own``,
+        writing into ``out`` (contiguous, shaped like ``q``; None: a new tensor), which it
+        returns."""
         n, heads, head_dim = q.shape
         _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
         if q.stride()[1:] != (head_dim, 1):
             q = q.contiguous()
-        out = torch.empty(n, heads, head_dim, dtype=q.dtype)
+        if out is None:
+            out = torch.empty(n, heads, head_dim, dtype=q.dtype)
+        elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"{self._what}: out must be a contiguous {q.dtype} tensor of shape "
+                f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}"
+            )
         strides = kv_cache.stride()
         rc = self._fns[q.dtype](
             q.data_ptr(),

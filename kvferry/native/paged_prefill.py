@@ -65,13 +65,15 @@ class PagedPrefillKernel(PagedKVKernel):
         context_len: int,
         scale: float,
         window: int | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q``: ``[q_len, num_heads, head_dim]`` whose rows may be strided, heads and
         head_dim contiguous, for positions ``context_len .. context_len + q_len - 1``;
         ``kv_cache``: ``(2, num_blocks, block_size, kv_heads, head_dim)``, NHD or HND; ``block_ids``:
         contiguous int64 covering ``context_len + q_len`` tokens. ``window``: a sliding window,
         each query sees only the last ``window`` keys up to its own position (blocks wholly
-        before every query's window are never read)."""
+        before every query's window are never read). ``out``: as for the decode kernel."""
         q_len, heads, _ = q.shape
         block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         assert block_ids.dtype == torch.int64 and block_ids.is_contiguous()
@@ -86,6 +88,7 @@ class PagedPrefillKernel(PagedKVKernel):
             scale,
             window or 0,
             *self._scratch(context_len + q_len, kv_cache),
+            out=out,
         )
 
     def _scratch(self, seq: int, kv_cache: torch.Tensor) -> tuple[int, ...]:

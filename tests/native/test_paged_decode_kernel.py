@@ -122,3 +122,19 @@ def test_a_variant_outside_the_build_is_refused() -> None:
     with pytest.raises(ValueError, match="not in this build"):
         PagedDecodeKernel(lib, "sve")  # type: ignore[arg-type]
     assert load_paged_decode("sve") is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_writes_into_the_rows_it_is_given(dtype: torch.dtype) -> None:
+    """``out``: the rows of a wider output (a mixed batch's) receive the same bits a fresh
+    output would, the rows around them stay as they were; a misshapen ``out`` is refused."""
+    kernel = decode_kernel()
+    q, cache, table, lens = _case(3, 16, 8, 128, dtype, 7)
+    batch = torch.full((7, 16, 128), 5.0, dtype=dtype)
+    got = kernel(q, cache, table, lens, 128**-0.5, out=batch[2:5])
+    assert got.data_ptr() == batch[2:5].data_ptr()
+    assert torch.equal(batch[2:5], kernel(q, cache, table, lens, 128**-0.5))
+    assert (batch[:2] == 5).all() and (batch[5:] == 5).all()
+    for bad in (batch[2:4], batch[2:5].float() if dtype != torch.float32 else batch[2:5].double()):
+        with pytest.raises(ValueError, match="out must be"):
+            kernel(q, cache, table, lens, 128**-0.5, out=bad)

@@ -185,3 +185,22 @@ def test_amx_layout_buffer_kept_between_calls() -> None:
     assert kernel._layout.data_ptr() == buf.data_ptr()  # type: ignore[attr-defined]
     _check_case(kernel, torch.bfloat16, 16, 8, 128, 16, 1000, 300)
     assert kernel._layout.numel() > buf.numel()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_writes_into_the_rows_it_is_given(amx: bool) -> None:
+    """``out``: a chunk's rows of a mixed batch's output receive the same bits a fresh output
+    would, the rows around them stay as they were; a misshapen ``out`` is refused."""
+    kernel = amx_kernel() if amx else load_paged_prefill()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 12, 16, 2, 64, generator=gen).bfloat16()
+    block_ids = torch.randperm(12, generator=gen)[:8].contiguous()
+    q = torch.randn(40, 8, 64, generator=gen).bfloat16()
+    batch = torch.full((50, 8, 64), 5.0, dtype=torch.bfloat16)
+    got = kernel(q, cache, block_ids, 60, 0.125, out=batch[6:46])
+    assert got.data_ptr() == batch[6:46].data_ptr()
+    assert torch.equal(batch[6:46], kernel(q, cache, block_ids, 60, 0.125))
+    assert (batch[:6] == 5).all() and (batch[46:] == 5).all()
+    with pytest.raises(ValueError, match="out must be"):
+        kernel(q, cache, block_ids, 60, 0.125, out=batch[6:45])
