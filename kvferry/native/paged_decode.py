@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from kvferry.native.build import load_library
 from kvferry.native.paged_kv import PagedKVKernel
-from kvferry.native.variants import IsaVariant, compiled_variants, variant_code
+from kvferry.native.variants import IsaVariant, VariantChoice
 
 Variant = IsaVariant
 
@@ -25,7 +25,7 @@ _ARGTYPES: list[Any] = [
 ]
 
 
-class PagedDecodeKernel(PagedKVKernel):
+class PagedDecodeKernel(PagedKVKernel, VariantChoice):
     """Attention of one query token per request, reading keys and values straight from the
     pool's blocks (the portable path gathers them into a buffer first, reading every byte
     twice). :meth:`supports` says whether a layer can use it (CPU, fp32 or bf16, contiguous
@@ -39,13 +39,7 @@ class PagedDecodeKernel(PagedKVKernel):
 
     def __init__(self, lib: ctypes.CDLL, variant: Variant) -> None:
         super().__init__(lib, "kvf_paged_decode", _ARGTYPES, "paged decode attention")
-        self._compiled = cast(tuple[Variant, ...], compiled_variants(lib, "paged_decode"))
-        self._code = variant_code("paged_decode", variant, self._compiled)
-        self.variant = variant
-
-    def compiled(self) -> tuple[Variant, ...]:
-        """The variants this build of the kernel holds."""
-        return self._compiled
+        self._choose_variant(lib, "paged_decode", variant)
 
     def __call__(
         self,

@@ -10,10 +10,10 @@ from typing import ClassVar, TypeVar
 import torch
 
 from kvferry.native.build import load_library
-from kvferry.native.variants import compiled_variants, variant_code
+from kvferry.native.variants import VariantChoice
 
 
-class RowsLinearKernel:
+class RowsLinearKernel(VariantChoice):
     """``F.linear(x, weight, bias)`` for CPU tensors of :attr:`DTYPE`, summed in fp32.
 
     ``variant`` picks the instruction set; it must be one :meth:`compiled` lists and the CPU
@@ -42,13 +42,7 @@ class RowsLinearKernel:
             ctypes.c_int,  # threads
         ]
         self._fn.restype = ctypes.c_int
-        self._compiled = compiled_variants(lib, self.NAME)
-        self._code = variant_code(self.NAME, variant, self._compiled)
-        self.variant = variant
-
-    def compiled(self) -> tuple[str, ...]:
-        """The variants this build of the kernel holds."""
-        return self._compiled
+        self._choose_variant(lib, self.NAME, variant)
 
     @classmethod
     def supports(cls, x: torch.Tensor, weight: torch.Tensor) -> bool:

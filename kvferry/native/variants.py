@@ -27,3 +27,22 @@ def variant_code(name: str, variant: str, compiled: tuple[str, ...]) -> int:
     if variant not in compiled:
         raise ValueError(f"{name} variant {variant!r} is not in this build")
     return VARIANT_CODES[variant]
+
+
+class VariantChoice:
+    """What a kernel with variants keeps of its build and of the caller's choice:
+    :attr:`variant`, its number (``_code``, passed on every call) and :meth:`compiled`."""
+
+    variant: str
+    _code: int
+
+    def _choose_variant(self, lib: ctypes.CDLL, name: str, variant: str) -> None:
+        """Takes ``variant`` of ``lib``'s build of kernel ``name``; ValueError when the build
+        lacks it."""
+        self._compiled = compiled_variants(lib, name)
+        self._code = variant_code(name, variant, self._compiled)
+        self.variant = variant
+
+    def compiled(self) -> tuple[str, ...]:
+        """The variants this build of the kernel holds."""
+        return self._compiled
