@@ -14,8 +14,8 @@ from kvferry.native.build import load_library
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # k, k row stride, v, v row stride, slots, n, cache, then the pool's geometry (strides in
 # bytes): keys-to-values stride, block stride, num_blocks, block_size, token stride, head
-# stride, kv_heads, bytes per head
-_ARGTYPES: list[Any] = [_P, _I64, _P, _I64, _P, _I64, _P] + [_I64] * 8
+# stride, kv_heads, bytes per head; threads
+_ARGTYPES: list[Any] = [_P, _I64, _P, _I64, _P, _I64, _P] + [_I64] * 8 + [ctypes.c_int]
 
 
 class KVWriteKernel:
@@ -71,6 +71,7 @@ class KVWriteKernel:
             cs[3] * size,
             kv_heads,
             head_dim * size,
+            torch.get_num_threads(),
         )
         if rc != 0:
             raise IndexError(f"a slot lies outside the pool's {num_blocks * block_size} slots")

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(
 BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 4, 3, 8
 
 
-def _pool(layout: KVCacheLayout, dtype: torch.dtype) -> torch.Tensor:
-    shape = (2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+def _pool(layout: KVCacheLayout, dtype: torch.dtype, blocks: int = BLOCKS) -> torch.Tensor:
+    shape = (2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     pool = layout.allocate(
         shape, dtype, torch.device("cpu"), lambda s, d, dev: torch.zeros(s, dtype=d, device=dev)
     )
@@ -53,6 +53,23 @@ def test_writes_what_the_index_copies_write(layout: KVCacheLayout, dtype: torch.
     Attention._write(want, k, v, slots)
     assert torch.equal(got, want)
     assert not torch.equal(got, _pool(layout, dtype))  # something was written
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+def test_a_prefill_split_over_threads_writes_what_the_index_copies_write(
+    layout: KVCacheLayout,
+) -> None:
+    """A step of many rows (a prefill chunk) is written by several threads at once."""
+    kernel = load_kv_write()
+    assert kernel is not None
+    n, blocks = 301, 100
+    k, v = _step(n, torch.bfloat16)
+    slots = torch.randperm(blocks * BLOCK_SIZE)[:n].contiguous()
+    got = _pool(layout, torch.bfloat16, blocks)
+    want = got.clone()
+    kernel(got, k, v, slots)
+    Attention._write(want, k, v, slots)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout))

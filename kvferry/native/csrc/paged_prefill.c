@@ -204,52 +204,30 @@ static void softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t
  * about a tenth of the kernel's time on 512-token prompts). AVX-512 only; elsewhere the
  * scalar loops serve. */
 #if defined(__AVX512F__) && VW == 16
-#include <immintrin.h>
+#include "transpose16.h"
 #define FAST_T16 1
-static inline void tr16(__m512 *r) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
-        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
-        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    /* u[4i + k], 128-bit chunk g: column 4g + k of rows 4i .. 4i + 3. */
-    for (int k = 0; k < 4; k++) {
-        const __m512 a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
-        const __m512 b = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
-        const __m512 c = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-        const __m512 e = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
-        r[k] = _mm512_shuffle_f32x4(a, c, 0x88);
-        r[k + 8] = _mm512_shuffle_f32x4(a, c, 0xDD);
-        r[k + 4] = _mm512_shuffle_f32x4(b, e, 0x88);
-        r[k + 12] = _mm512_shuffle_f32x4(b, e, 0xDD);
-    }
-}
-
 /* qt[e * ROWS + i] = src[i][e] * scale for 16 rows i (qt: a tile's first row of the 16). */
 static void q_in16(float *qt, const float *const *src, int64_t d, float scale) {
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t e0 = 0; e0 < d; e0 += 16) {
-        __m512 v[16];
-        for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_ps(src[i] + e0);
-        tr16(v);
-        for (int j = 0; j < 16; j++) _mm512_storeu_ps(qt + (e0 + j) * ROWS, _mm512_mul_ps(v[j], sc));
+        __m512i v[16];
+        for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512((const void *)(src[i] + e0));
+        transpose16(v);
+        for (int j = 0; j < 16; j++)
+            _mm512_storeu_ps(qt + (e0 + j) * ROWS, _mm512_mul_ps(_mm512_castsi512_ps(v[j]), sc));
     }
 }
 
 /* dst[i][e] = ot[e * ROWS + i] / l[i] for the first n of 16 rows. */
 static void out16(float *const *dst, int n, const float *ot, const float *l, int64_t d) {
     for (int64_t e0 = 0; e0 < d; e0 += 16) {
-        __m512 v[16];
-        for (int j = 0; j < 16; j++) v[j] = _mm512_loadu_ps(ot + (e0 + j) * ROWS);
-        tr16(v);
+        __m512i v[16];
+        for (int j = 0; j < 16; j++)
+            v[j] = _mm512_loadu_si512((const void *)(ot + (e0 + j) * ROWS));
+        transpose16(v);
         for (int i = 0; i < n; i++)
-            _mm512_storeu_ps(dst[i] + e0, _mm512_mul_ps(v[i], _mm512_set1_ps(1.0f / l[i])));
+            _mm512_storeu_ps(dst[i] + e0, _mm512_mul_ps(_mm512_castsi512_ps(v[i]),
+                                                        _mm512_set1_ps(1.0f / l[i])));
     }
 }
 #else

@@ -31,6 +31,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "transpose16.h"
 
 #define ROWS 32     /* rows of one work item: two tiles of 16 */
 #define KB 128      /* keys per block */
@@ -47,18 +48,17 @@ int64_t kvf_paged_prefill_amx_layout_elems(int64_t seq, int64_t d, int64_t num_k
 #if KVF_HAVE_AMX
 int kvf_paged_prefill_amx_ready(void) { return amx_permitted() ? 0 : -1; }
 
-/* 2^y for y <= 0 to about 3e-6 relative (the probabilities are rounded to bf16, 4e-3); below
- * 2^-125 the result is some tiny normal number rather than 0, which no sum notices. */
+/* 2^y to about 3e-6 relative (the probabilities are rounded to bf16, 4e-3): a degree-4
+ * polynomial for 2^f, f in [-0.5, 0.5], scaled by 2^round(y). Far below 2^-126 the result is
+ * 0 or subnormal, which no sum notices. */
 TAMX __m512 vexp2(__m512 y) {
-    y = _mm512_max_ps(y, _mm512_set1_ps(-125.0f));
     const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(9.57010128e-03f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59178591e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121791e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99999285e-01f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -165,10 +165,12 @@ TAMX void softmax_row(scratch_t *w, int r, int64_t d, int64_t t0, int64_t n, flo
     const __m512 sv = _mm512_set1_ps(scale * LOG2E), mv = _mm512_set1_ps(-m_new * LOG2E);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 32) {
-        const __m512 a = _mm512_maskz_mov_ps(
-            keep[j / 16], vexp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), sv, mv)));
-        const __m512 b = _mm512_maskz_mov_ps(
-            keep[j / 16 + 1], vexp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), sv, mv)));
+        __m512 a = vexp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), sv, mv));
+        __m512 b = vexp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), sv, mv));
+        if (edge) {
+            a = _mm512_maskz_mov_ps(keep[j / 16], a);
+            b = _mm512_maskz_mov_ps(keep[j / 16 + 1], b);
+        }
         sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
         _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
@@ -185,39 +187,52 @@ TAMX void softmax_row(scratch_t *w, int r, int64_t d, int64_t t0, int64_t n, flo
 }
 
 /* Keys and values of kv head h, tokens [t_lo, t_hi) (t_lo a multiple of 32), into the pair
- * layouts; tokens in [t_lo, seq_pad) outside [t_first, seq) are zeros. */
+ * layouts; tokens in [t_lo, seq_pad) outside [t_first, seq) are zeros. Sixteen keys at a time:
+ * their dim pairs become key-tile columns through register transposes. */
 TAMX void lay_out(const uint16_t *cache, const uint16_t *vals, int64_t block_size,
                   int64_t block_elems, int64_t tok_stride, int64_t head_stride,
                   const int64_t *table, int64_t h, int64_t d, int64_t t_first, int64_t seq,
                   int64_t t_lo, int64_t t_hi, uint16_t *kt, uint16_t *vv) {
-    for (int64_t t = t_lo; t < t_hi; t += 2) {
-        const uint16_t *k0 = 0, *k1 = 0, *v0 = 0, *v1 = 0;
-        /* Token u's head h: u / block_size's block, row u % block_size. */
-#define TOKEN(u)                                                                             \
-    (table[(u) / block_size] * block_elems + ((u) % block_size) * tok_stride + h * head_stride)
-        if (t >= t_first && t < seq) k0 = cache + TOKEN(t), v0 = vals + TOKEN(t);
-        if (t + 1 >= t_first && t + 1 < seq) k1 = cache + TOKEN(t + 1), v1 = vals + TOKEN(t + 1);
-#undef TOKEN
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t t16 = t_lo; t16 < t_hi; t16 += 16) {
+        const uint16_t *kr[16], *vr[16];
+        for (int i = 0; i < 16; i++) {
+            const int64_t u = t16 + i;
+            if (u >= t_first && u < seq) {
+                /* Token u's head h: u / block_size's block, row u % block_size. */
+                const int64_t off = table[u / block_size] * block_elems +
+                                    (u % block_size) * tok_stride + h * head_stride;
+                kr[i] = cache + off;
+                vr[i] = vals + off;
+            } else {
+                kr[i] = vr[i] = 0;
+            }
+        }
         /* kt: key t's dim pair i at [t / 16][i][t % 16] (32 bits). */
-        uint32_t *kd = (uint32_t *)(kt + (t / 16) * 16 * d) + t % 16;
-        for (int64_t i = 0; i < d / 2; i++) {
-            uint32_t a = 0, b = 0;
-            if (k0) memcpy(&a, k0 + 2 * i, 4);
-            if (k1) memcpy(&b, k1 + 2 * i, 4);
-            kd[i * 16] = a;
-            kd[i * 16 + 1] = b;
+        uint16_t *kd = kt + (t16 / 16) * 16 * d;
+        for (int64_t e = 0; e < d; e += 32) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = kr[i] ? _mm512_loadu_si512((const void *)(kr[i] + e)) : zero;
+            transpose16(r);
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_si512((void *)(kd + (e / 2 + i) * 32), r[i]);
         }
         /* vv: pair (t, t + 1) interleaved per dim. */
-        uint16_t *vd = vv + t * d;
-        for (int64_t e = 0; e < d; e += 32) {
-            __m512i a = v0 ? _mm512_loadu_si512((const void *)(v0 + e)) : _mm512_setzero_si512();
-            __m512i b = v1 ? _mm512_loadu_si512((const void *)(v1 + e)) : _mm512_setzero_si512();
-            /* unpack works within 128-bit lanes: interleave, then put the lanes in order. */
-            const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-            const __m512i i0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-            const __m512i i1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-            _mm512_storeu_si512((void *)(vd + 2 * e), _mm512_permutex2var_epi64(lo, i0, hi));
-            _mm512_storeu_si512((void *)(vd + 2 * e + 32), _mm512_permutex2var_epi64(lo, i1, hi));
+        for (int i = 0; i < 16; i += 2) {
+            uint16_t *vd = vv + (t16 + i) * d;
+            for (int64_t e = 0; e < d; e += 32) {
+                const __m512i a = vr[i] ? _mm512_loadu_si512((const void *)(vr[i] + e)) : zero;
+                const __m512i b =
+                    vr[i + 1] ? _mm512_loadu_si512((const void *)(vr[i + 1] + e)) : zero;
+                /* unpack works within 128-bit lanes: interleave, then put the lanes in order. */
+                const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+                const __m512i i0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+                const __m512i i1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+                _mm512_storeu_si512((void *)(vd + 2 * e), _mm512_permutex2var_epi64(lo, i0, hi));
+                _mm512_storeu_si512((void *)(vd + 2 * e + 32),
+                                    _mm512_permutex2var_epi64(lo, i1, hi));
+            }
         }
     }
 }
