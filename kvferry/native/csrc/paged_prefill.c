@@ -76,6 +76,19 @@ static inline vf vmax(vf a, vf b) {
     return a;
 }
 
+#if defined(__AVX512F__) && VW == 16
+#include "exp2_avx512.h"
+/* exp(x) for x <= 0 to about 2 ulp; x below the fp32 range gives 0 or a subnormal. */
+static inline vf vexp(vf xv) {
+    __m512 x;
+    memcpy(&x, &xv, sizeof(x));
+    const __m512 r = exp2_avx512(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                 EXP2_DEGREE6, 7);
+    vf rv;
+    memcpy(&rv, &r, sizeof(rv));
+    return rv;
+}
+#else
 /* exp(x) for x <= 0 to about 2 ulp; x below the fp32 range gives exactly 0. */
 static inline vf vexp(vf x) {
     const vf lo = (vf){0} - 87.0f;
@@ -103,6 +116,7 @@ static inline vf vexp(vf x) {
     memcpy(&r, &ri, sizeof(r));
     return r;
 }
+#endif
 
 /* s[j][:] = k[j] . qt for j < n (k rows ks apart; scores for j >= n are left unset). */
 static void scores_tile(const float *restrict qt, const float *const *restrict k, int64_t n,

@@ -31,6 +31,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "exp2_avx512.h"
 #include "transpose16.h"
 
 #define ROWS 32     /* rows of one work item: two tiles of 16 */
@@ -48,19 +49,8 @@ int64_t kvf_paged_prefill_amx_layout_elems(int64_t seq, int64_t d, int64_t num_k
 #if KVF_HAVE_AMX
 int kvf_paged_prefill_amx_ready(void) { return amx_permitted() ? 0 : -1; }
 
-/* 2^y to about 3e-6 relative (the probabilities are rounded to bf16, 4e-3): a degree-4
- * polynomial for 2^f, f in [-0.5, 0.5], scaled by 2^round(y). Far below 2^-126 the result is
- * 0 or subnormal, which no sum notices. */
-TAMX __m512 vexp2(__m512 y) {
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(9.57010128e-03f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59178591e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121791e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99999285e-01f));
-    return _mm512_scalef_ps(p, n);
-}
+/* 2^y to about 3e-6 relative (the probabilities are rounded to bf16, 4e-3). */
+TAMX __m512 vexp2(__m512 y) { return exp2_avx512(y, EXP2_DEGREE4, 5); }
 
 #define LOG2E 1.44269504088896341f
 
