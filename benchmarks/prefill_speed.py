@@ -5,8 +5,10 @@ prefill (split into ``--batch-tokens`` chunks) plus one logits row and one sampl
 are interleaved round by round and the median over rounds is reported, next to the compute
 floor (linear-layer plus causal-attention FLOPs over the measured fp32 GEMM rate).
 
-``--profile`` also runs one prompt of each length under ``torch.profiler`` and prints the
-share of the time each kind of operator takes.
+``--profile`` also runs one prompt of each length with a timer around each part of the
+step (the linear layers, the attention, the K/V write, the fused norm / rotary / SiLU ops)
+and prints where the step's time goes; the C kernels, which ``torch.profiler`` does not see,
+are timed too.
 
     .venv/bin/python benchmarks/prefill_speed.py                      # 512/2048/4096, mid fp32
     .venv/bin/python benchmarks/prefill_speed.py --profile --rounds 3
@@ -16,12 +18,14 @@ share of the time each kind of operator takes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +37,56 @@ from benchmarks.harness.engines import make_llm
 from benchmarks.harness.models import bench_model, model_vocab_size
 from benchmarks.harness.prompts import random_tokens
 from kvferry import SamplingParams
+from kvferry.model.attention import Attention
+from kvferry.model.layers import Linear
+from kvferry.native.fused_ops import FusedOps
+from kvferry.native.kv_write import KVWriteKernel
 from kvferry.native.paged_prefill import load_paged_prefill
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-# Operator name fragments -> the part of a step they belong to (first match wins).
-_PARTS = [
-    ("gemm", ("linear", "mkldnn", "addmm", "aten::mm", "matmul")),
-    ("attention", ("scaled_dot_product", "attention", "flash", "kvf_prefill", "bmm", "softmax")),
-    ("kv write", ("index_copy",)),
-    ("kv gather", ("index_select",)),
-    ("norm/rotary/act", ("rms", "rotary", "silu", "mul", "add", "rsqrt", "pow", "mean", "sub")),
+# The parts of a step --profile times: (part, class, method). Only the outermost timed call
+# counts, so a part never includes another's time.
+_PARTS: list[tuple[str, type, str]] = [
+    ("linear layers", Linear, "forward"),
+    ("attention", Attention, "_attend"),
+    ("kv write", KVWriteKernel, "__call__"),
+    ("kv write", Attention, "_write"),
+    *[
+        ("norm/rotary/silu", FusedOps, m)
+        for m in ("rms_norm", "add_rms_norm_", "rotary_", "qk_norm_rotary_", "silu_mul")
+    ],
 ]
+
+
+@contextlib.contextmanager
+def part_timers() -> Iterator[dict[str, float]]:
+    """Seconds spent in each part of :data:`_PARTS` while the block runs (in this process:
+    the methods are wrapped for its duration and restored after)."""
+    spent: dict[str, float] = defaultdict(float)
+    depth = [0]
+    saved = [(cls, name, cls.__dict__[name]) for _, cls, name in _PARTS]
+
+    def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[part] += time.perf_counter() - start
+
+        return wrapper
+
+    for part, cls, name in _PARTS:
+        setattr(cls, name, timed(part, cls.__dict__[name]))
+    try:
+        yield spent
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
 
 
 def attention_flops(config: dict[str, Any], prompt: int) -> int:
@@ -62,26 +104,15 @@ def time_prompt(llm: Any, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def classify(name: str) -> str:
-    low = name.lower()
-    for part, keys in _PARTS:
-        if any(k in low for k in keys):
-            return part
-    return "other"
-
-
 def profile(llm: Any, prompt: list[int]) -> dict[str, float]:
-    """Self CPU time per part of the step, in ms, for one prompt, plus the wall time."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+    """Milliseconds per part of the step for one prompt, the rest as "other", and the wall
+    time."""
+    with part_timers() as spent:
         wall = time_prompt(llm, prompt)
-    parts: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        parts[classify(evt.key)] += evt.self_cpu_time_total / 1e3
+    parts = {k: v * 1e3 for k, v in spent.items()}
+    parts["other"] = wall * 1e3 - sum(parts.values())
     parts["wall"] = wall * 1e3
-    return dict(parts)
+    return parts
 
 
 def main() -> None:
@@ -164,12 +195,13 @@ def main() -> None:
     if args.profile:
         for n in args.lengths:
             parts = profile(llm, random_tokens(rng, n, vocab))
-            wall = parts.pop("wall")
-            total = sum(parts.values())
+            wall = parts["wall"]
             shares = ", ".join(
-                f"{k} {v / total:.0%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+                f"{k} {v:.1f} ms ({v / wall:.0%})"
+                for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+                if k != "wall"
             )
-            print(f"profile {n}: wall {wall:.0f} ms, ops {total:.0f} ms: {shares}")
+            print(f"profile {n}: wall {wall:.1f} ms: {shares}")
             results.setdefault("profile", {})[n] = {"wall_ms": wall, **parts}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
