@@ -7,9 +7,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-/* Degree 4, minimax: 2.6e-6 relative, for probabilities rounded to bf16 (4e-3). */
-__attribute__((unused)) static const float EXP2_DEGREE4[5] = {
-    9.57010128e-03f, 5.59178591e-02f, 2.40247443e-01f, 6.93121791e-01f, 9.99999285e-01f};
+/* Degree 3, minimax: 7.5e-5 relative, for probabilities rounded to bf16 (4e-3). */
+__attribute__((unused)) static const float EXP2_DEGREE3[4] = {5.51716648e-02f, 2.42611125e-01f,
+                                                              6.93260968e-01f, 9.99928057e-01f};
 /* Degree 6: about 2 ulp of fp32. */
 __attribute__((unused)) static const float EXP2_DEGREE6[7] = {
     1.5353362e-4f, 1.3398874e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022650e-1f, 6.9314718e-1f,

@@ -49,8 +49,8 @@ int64_t kvf_paged_prefill_amx_layout_elems(int64_t seq, int64_t d, int64_t num_k
 #if KVF_HAVE_AMX
 int kvf_paged_prefill_amx_ready(void) { return amx_permitted() ? 0 : -1; }
 
-/* 2^y to about 3e-6 relative (the probabilities are rounded to bf16, 4e-3). */
-TAMX __m512 vexp2(__m512 y) { return exp2_avx512(y, EXP2_DEGREE4, 5); }
+/* 2^y to about 1e-4 relative (the probabilities are rounded to bf16, 4e-3). */
+TAMX __m512 vexp2(__m512 y) { return exp2_avx512(y, EXP2_DEGREE3, 4); }
 
 #define LOG2E 1.44269504088896341f
 
