@@ -12,7 +12,9 @@ them), so every workload sees about the same load. Every run uses its own seed (
 for both servers), so no run finds another's prompts in the prefix cache.
 
 The machine must be quiet: before the first launch the 1-minute load average, before every
-run the CPU share of other processes (see ``harness/quiet.py``). vLLM's result JSONs go to
+run the CPU share of other processes (see ``harness/quiet.py``). Before each launch a
+two-second GEMM and copy probe (``harness/speed_probe.py``) records how fast the machine is
+at that moment, which tells a slow launch from a slow hour. vLLM's result JSONs go to
 ``.bench/results/serving/``; the summary to ``.bench/results/serving.json``; the report
 (stdout, and with ``--docs`` the ``serving`` block of ``docs/benchmarks.md``) has a table
 per model and plots in ``docs/img/``.
@@ -62,6 +64,7 @@ from benchmarks.harness.serving_report import (
     plot_model,
     target_summary,
 )
+from benchmarks.harness.speed_probe import probe_in_subprocess, spread_text
 from benchmarks.harness.timing import alternating
 from benchmarks.harness.vllm_env import default_vllm_python
 from benchmarks.harness.vllm_server import (
@@ -129,6 +132,14 @@ def launch(
     raw.mkdir(parents=True, exist_ok=True)
     client_log = raw / f"client-{backend}-round{rnd}.log"
     client_log.write_text("")
+    speed = None
+    if args.probe:
+        # Before the server starts, on the otherwise idle machine.
+        speed = probe_in_subprocess(sys.executable, dtype, SPECS[model].hidden)
+        log(
+            f"[probe] {dtype} GEMM {speed['gemm_gflops']:.0f} GFLOP/s, "
+            f"copy {speed['copy_gbps']:.1f} GB/s"
+        )
     log(f"[serving] {tag} round {rnd}: starting {backend}")
     with serving(backend, settings, raw, args.vllm_python, args.vllm_mp) as srv:
         log(f"[serving] {backend} healthy after {srv.startup_s:.1f} s")
@@ -139,6 +150,7 @@ def launch(
                 "backend": backend,
                 "round": rnd,
                 "startup_s": srv.startup_s,
+                "speed_probe": speed,
             }
         )
         warm = bench_argv(
@@ -232,7 +244,15 @@ def report(doc: dict[str, Any], write_docs: bool, quick: bool) -> str:
         start_txt = ", ".join(
             f"{LABELS[b]} {min(v):.1f}-{max(v):.1f} s" for b, v in starts.items() if v
         )
-        parts += ["", f"#### `{model}` {dtype}", "", f"Start-up to /health: {start_txt}.", ""]
+        line = f"Start-up to /health: {start_txt}."
+        probes = [
+            x["speed_probe"]
+            for x in doc["launches"]
+            if (x["model"], x["dtype"]) == (model, dtype) and x.get("speed_probe")
+        ]
+        if probes:
+            line += f" Machine before each launch: {spread_text(probes)}."
+        parts += ["", f"#### `{model}` {dtype}", "", line, ""]
         parts.append(model_table(agg, model, dtype))
         suffix = "_quick" if quick else ""
         # Smoke runs without --docs keep their plots out of the docs tree.
@@ -293,6 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--quiet-wait", type=float, default=300.0, help="seconds to wait for quiet, then refuse"
+    )
+    ap.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="skip the GEMM and copy probe before each launch (harness/speed_probe.py)",
     )
     ap.add_argument(
         "--allow-noise",
