@@ -134,12 +134,16 @@ def launch(
     client_log.write_text("")
     speed = None
     if args.probe:
-        # Before the server starts, on the otherwise idle machine.
-        speed = probe_in_subprocess(sys.executable, dtype, SPECS[model].hidden)
-        log(
-            f"[probe] {dtype} GEMM {speed['gemm_gflops']:.0f} GFLOP/s, "
-            f"copy {speed['copy_gbps']:.1f} GB/s"
-        )
+        # Before the server starts, on the otherwise idle machine. A failed probe costs
+        # the launch its record, not the run.
+        try:
+            speed = probe_in_subprocess(sys.executable, dtype, SPECS[model].hidden)
+            log(
+                f"[probe] {dtype} GEMM {speed['gemm_gflops']:.0f} GFLOP/s, "
+                f"copy {speed['copy_gbps']:.1f} GB/s"
+            )
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            log(f"[probe] WARNING: no probe before this launch: {e}")
     log(f"[serving] {tag} round {rnd}: starting {backend}")
     with serving(backend, settings, raw, args.vllm_python, args.vllm_mp) as srv:
         log(f"[serving] {backend} healthy after {srv.startup_s:.1f} s")

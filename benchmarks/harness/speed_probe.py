@@ -61,7 +61,13 @@ def probe_in_subprocess(
     )
     if r.returncode != 0:
         raise RuntimeError(f"speed probe exited with {r.returncode}: {r.stderr.strip()[-500:]}")
-    doc: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    lines = r.stdout.strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not {"gemm_gflops", "copy_gbps"} <= doc.keys():
+        raise RuntimeError(f"speed probe printed no result: {r.stdout.strip()[-200:]!r}")
     return doc
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,19 @@ def test_spread_text() -> None:
         "GEMM (bfloat16) 2,000-2,300 GFLOP/s (spread 15%), copy 25.0-26.0 GB/s (4%)"
     )
     assert spread_text([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("script", "message"),
+    [
+        ("echo not json", "printed no result"),
+        ("echo '{}'", "printed no result"),
+        ("exit 3", "exited with 3"),
+    ],
+)
+def test_a_probe_without_a_result_is_an_error(tmp_path: Path, script: str, message: str) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match=message):
+        probe_in_subprocess(str(fake), "float32", 64)
