@@ -62,6 +62,7 @@ from benchmarks.harness.serving_report import (
     aggregate,
     model_table,
     plot_model,
+    round_probes,
     target_summary,
 )
 from benchmarks.harness.speed_probe import probe_in_subprocess, spread_text
@@ -256,6 +257,9 @@ def report(doc: dict[str, Any], write_docs: bool, quick: bool) -> str:
         ]
         if probes:
             line += f" Machine before each launch: {spread_text(probes)}."
+        by_round = round_probes(doc["launches"], model, dtype)
+        if by_round:
+            line += f" {by_round}"
         parts += ["", f"#### `{model}` {dtype}", "", line, ""]
         parts.append(model_table(agg, model, dtype))
         suffix = "_quick" if quick else ""

@@ -18,6 +18,9 @@ TPOT_MAX = 0.9  # mean TPOT at fixed rates
 ITL_PER_TPOT_MAX = 1.2  # kvferry's median ITL / its mean TPOT: one stream chunk per token
 THROUGHPUT_MIN = 1.2  # output tokens/s at saturation (rate inf)
 NOISY = 0.05  # others' CPU share above which a run is flagged
+# A round whose two launches found GEMM rates further apart than this is flagged: its ratios
+# say as much about the machine as about the engines.
+UNEVEN = 0.10
 
 COLUMNS = [
     ("TTFT mean ms", "mean_ttft_ms"),
@@ -99,6 +102,34 @@ def model_table(agg: Mapping[Key, Mapping[str, Mapping[str, Any]]], model: str, 
                 ]
             )
     return markdown_table(headers, rows)
+
+
+def round_probes(launches: Sequence[Mapping[str, Any]], model: str, dtype: str) -> str:
+    """The GEMM rate the probe found before each server's launch, round by round, for one
+    model: ``By round, GEMM GFLOP/s kvferry / vLLM CPU: 2,192 / 2,188, 2,739 / 2,766.``, and
+    the rounds whose two rates lie more than :data:`UNEVEN` apart named as uneven; empty where
+    no round has a probe from both servers."""
+    rates: dict[int, dict[str, float]] = {}
+    for x in launches:
+        probe = x.get("speed_probe")
+        if (x["model"], x["dtype"]) == (model, dtype) and probe and probe["gemm_gflops"] > 0:
+            rates.setdefault(int(x["round"]), {})[x["backend"]] = float(probe["gemm_gflops"])
+    pairs = {r: v for r, v in sorted(rates.items()) if {"kvferry", "vllm"} <= set(v)}
+    if not pairs:
+        return ""
+    shown = ", ".join(f"{v['kvferry']:,.0f} / {v['vllm']:,.0f}" for v in pairs.values())
+    text = f"By round, GEMM GFLOP/s {LABELS['kvferry']} / {LABELS['vllm']}: {shown}."
+    uneven = [
+        f"{r} ({max(v.values()) / min(v.values()) - 1:.0%} apart)"
+        for r, v in pairs.items()
+        if max(v.values()) / min(v.values()) - 1 > UNEVEN
+    ]
+    if uneven:
+        text += (
+            " **Uneven rounds** (the machine moved between the two launches, so their ratios "
+            f"say as much about the machine as about the engines): {', '.join(uneven)}."
+        )
+    return text
 
 
 def target_summary(agg: Mapping[Key, Mapping[str, Mapping[str, Any]]]) -> str:

@@ -7,6 +7,7 @@ import importlib.metadata as metadata
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from benchmarks.harness.bench_serve import (
     summarize,
 )
 from benchmarks.harness.quiet import NoisyMachine, other_share, wait_until
-from benchmarks.harness.serving_report import aggregate, model_table, targets
+from benchmarks.harness.serving_report import aggregate, model_table, round_probes, targets
 from benchmarks.harness.vllm_cli import aliased_version
 
 
@@ -129,6 +130,36 @@ def test_targets_and_table() -> None:
     ]
     table = model_table(aggregate(runs), "m", "float32")
     assert "kvferry / vLLM" in table and "0.70x" in table and "ttft_p90 NO" in table
+
+
+def test_round_probes_pairs_each_rounds_launches_and_flags_uneven_ones() -> None:
+    def launch(backend: str, rnd: int, gflops: float | None, model: str = "m") -> dict[str, Any]:
+        probe = None if gflops is None else {"dtype": "float32", "gemm_gflops": gflops}
+        return {
+            "model": model,
+            "dtype": "float32",
+            "backend": backend,
+            "round": rnd,
+            "speed_probe": probe,
+        }
+
+    launches = [
+        launch("kvferry", 0, 2000.0),
+        launch("vllm", 0, 2100.0),  # 5% apart: even
+        launch("vllm", 1, 1500.0),
+        launch("kvferry", 1, 2000.0),  # 33% apart: uneven
+        launch("kvferry", 2, 2000.0),
+        launch("vllm", 2, None),  # no probe: the round is left out
+        launch("vllm", 0, 9999.0, model="other"),
+    ]
+    text = round_probes(launches, "m", "float32")
+    assert text.startswith(
+        "By round, GEMM GFLOP/s kvferry / vLLM CPU: 2,000 / 2,100, 2,000 / 1,500."
+    )
+    assert "Uneven rounds" in text and text.endswith(": 1 (33% apart).")
+    assert "Uneven" not in round_probes(launches[:2], "m", "float32")
+    assert round_probes(launches[4:6], "m", "float32") == ""
+    assert round_probes(launches, "absent", "float32") == ""
 
 
 def test_rates_scale_with_compute_per_request() -> None:
