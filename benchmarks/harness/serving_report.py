@@ -119,11 +119,8 @@ def round_probes(launches: Sequence[Mapping[str, Any]], model: str, dtype: str) 
         return ""
     shown = ", ".join(f"{v['kvferry']:,.0f} / {v['vllm']:,.0f}" for v in pairs.values())
     text = f"By round, GEMM GFLOP/s {LABELS['kvferry']} / {LABELS['vllm']}: {shown}."
-    uneven = [
-        f"{r} ({max(v.values()) / min(v.values()) - 1:.0%} apart)"
-        for r, v in pairs.items()
-        if max(v.values()) / min(v.values()) - 1 > UNEVEN
-    ]
+    gaps = {r: max(v.values()) / min(v.values()) - 1 for r, v in pairs.items()}
+    uneven = [f"{r} ({gap:.0%} apart)" for r, gap in gaps.items() if gap > UNEVEN]
     if uneven:
         text += (
             " **Uneven rounds** (the machine moved between the two launches, so their ratios "
