@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.kv_layout import KVCacheLayout, layout_of
-from kvferry.model.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
+from kvferry.model.attention_metadata import DecodePlan, PrefillPlan
 from kvferry.model.attention_workspace import AttentionWorkspace, GatherBuffers
 from kvferry.model.forward_context import get_forward_context
 
@@ -57,13 +57,41 @@ def _gather_blocks(
     return hnd.transpose(2, 3).reshape(2, n * block_size, kv_heads, head_dim)
 
 
+def _wanted_prefills(prefills: list[PrefillPlan], rows: list[int]) -> list[PrefillPlan]:
+    """The part of each chunk that reaches ``rows``: its queries from the first wanted row on,
+    as a chunk whose context ends just before it (its keys are all in the cache by then).
+    A chunk with no wanted row is dropped."""
+    wanted = []
+    for p in prefills:
+        first = min((r for r in rows if p.token_start <= r < p.token_stop), default=None)
+        if first is None:
+            continue
+        if first == p.token_start:
+            wanted.append(p)
+            continue
+        wanted.append(
+            PrefillPlan(
+                req_index=p.req_index,
+                token_start=first,
+                token_stop=p.token_stop,
+                context_len=p.context_len + first - p.token_start,
+                seq_len=p.seq_len,
+                block_ids=p.block_ids,
+            )
+        )
+    return wanted
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with grouped KV heads over a paged KV cache.
 
     ``forward(q, k, v)`` takes the flattened tokens of the whole step — ``q`` of shape
     ``[num_tokens, num_heads * head_dim]`` (or ``[num_tokens, num_heads, head_dim]``), ``k``/``v``
     likewise with ``num_kv_heads`` — already projected and rotated, and returns
-    ``[num_tokens, num_heads * head_dim]``. It reads the active forward context: this layer's
+    ``[num_tokens, num_heads * head_dim]``; ``forward(q, k, v, out_rows)`` (long flat row
+    indices) returns those rows' alone, in that order, and a prefill chunk then attends only
+    from its first such row on (every row's K/V still reach the cache and the connector).
+    It reads the active forward context: this layer's
     :class:`AttentionMetadata` (``ctx.metadata_for``), its cache ``ctx.kv_caches[layer_name]``
     and the runner's :class:`~kvferry.model.attention_workspace.AttentionWorkspace` (scratch memory
     and the device's decode kernel).
@@ -106,7 +134,13 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         n = q.shape[0]
         # (a view costs microseconds at decode sizes; callers often pass heads already)
         if q.dim() == 2:
@@ -118,7 +152,8 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         meta = ctx.metadata_for(self.layer_name)
         if meta is None:
-            return self._causal(q, k, v).reshape(n, -1)
+            out = self._causal(q, k, v).reshape(n, -1)
+            return out if out_rows is None else out[out_rows]
 
         connector = ctx.kv_connector
         if connector is not None and not connector.has_connector_metadata():
@@ -133,10 +168,13 @@ class Attention(nn.Module):
             ws.write_kernel(kv_cache, k, v, meta.slot_mapping)
         else:
             self._write(kv_cache, k, v, meta.slot_mapping)
-        out = self._attend(q, k, v, kv_cache, meta, ws)
+        prefills = meta.prefills
+        if out_rows is not None:
+            prefills = _wanted_prefills(prefills, out_rows.tolist())
+        out = self._attend(q, k, v, kv_cache, meta.decodes, prefills, ws).reshape(n, -1)
         if connector is not None:
             connector.save_kv_layer(self.layer_name, kv_cache, meta)
-        return out.reshape(n, -1)
+        return out if out_rows is None else out[out_rows]
 
     @staticmethod
     def _write(
@@ -159,18 +197,23 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        decodes: list[DecodePlan],
+        prefills: list[PrefillPlan],
         ws: AttentionWorkspace,
     ) -> torch.Tensor:
-        # A batch that is a single plan returns that plan's result; otherwise each plan fills
-        # its rows of one output tensor.
-        if not meta.decodes and len(meta.prefills) == 1:
-            return self._prefill(q, k, v, kv_cache, meta.prefills[0], ws)
-        if len(meta.decodes) == 1 and not meta.prefills:
-            # All rows are decodes, so the group covers the whole batch in order.
-            return self._decode(q, kv_cache, meta.decodes[0], ws)
+        """Each plan's rows of one output tensor (rows of no plan are left unset); a batch that
+        is a single plan returns that plan's result."""
+        n = q.shape[0]
+        if (
+            not decodes
+            and len(prefills) == 1
+            and prefills[0].token_stop - prefills[0].token_start == n
+        ):
+            return self._prefill(q, k, v, kv_cache, prefills[0], ws)
+        if len(decodes) == 1 and not prefills and decodes[0].token_range == (0, n):
+            return self._decode(q, kv_cache, decodes[0], ws)
         out = torch.empty_like(q)
-        for plan in meta.decodes:
+        for plan in decodes:
             if plan.token_range is not None:
                 start, stop = plan.token_range
                 dst = out[start:stop]
@@ -179,7 +222,7 @@ class Attention(nn.Module):
                 assert plan.token_index is not None
                 rows = self._decode(q[plan.token_index], kv_cache, plan, ws)
                 out.index_copy_(0, plan.token_index, rows)
-        for p in meta.prefills:
+        for p in prefills:
             dst = out[p.token_start : p.token_stop]
             _fill(dst, self._prefill(q, k, v, kv_cache, p, ws, dst))
         return out

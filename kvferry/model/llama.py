@@ -106,9 +106,8 @@ class DecoderAttention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
             qk = apply_rotary(qk, cos, sin, self.fused)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = self.attn(q, k, v)
+        out = self.attn(q, k, v, keep)
         if keep is not None:
-            out = out[keep]
             if out.shape[0] == 0:  # no row wanted (a prefill chunk that samples nothing)
                 return out.new_empty(0, self.o_proj.out_features)
         elif x.shape[0] != n:
@@ -213,9 +212,9 @@ class CausalLM(nn.Module):
     ``forward(input_ids, positions)`` takes ``[num_tokens]`` long tensors (``positions`` are
     absolute positions in each request's sequence) and returns the final hidden states
     ``[num_tokens, hidden_size]``, or with ``output_rows`` (a long tensor of flat token indices)
-    those rows' alone, in that order: the last layer then runs its output projection and MLP
-    for them only, since no other row's last-layer output is read (every row's K/V still
-    reach the cache). It must run inside ``set_forward_context``: the attention
+    those rows' alone, in that order: the last layer then runs its attention (from each
+    chunk's first such row on), output projection and MLP for them only, since no other
+    row's last-layer output is read (every row's K/V still reach the cache). It must run inside ``set_forward_context``: the attention
     layers read the step's metadata and KV caches from it. ``compute_logits(hidden)`` returns
     fp32 ``[n, vocab_size]``. ``layer_names`` lists the attention layers, in order, as they
     key ``ForwardContext.kv_caches``.

@@ -110,6 +110,7 @@ class Scenario:
         name: str = "layer0",
         kernel: PagedDecodeKernel | None = None,
         workspace: AttentionWorkspace | None = None,
+        out_rows: list[int] | None = None,
     ) -> torch.Tensor:
         """Runs one layer with ``workspace``; by default, one set up as a CPU engine's is."""
         attn = Attention(self.heads, self.kv_heads, self.head_dim, layer_name=name)
@@ -120,8 +121,9 @@ class Scenario:
         ctx = ForwardContext(
             {name: self.meta}, {name: self.cache}, kv_connector=connector, attn_workspace=workspace
         )
+        rows = None if out_rows is None else torch.tensor(out_rows, dtype=torch.long)
         with set_forward_context(ctx):
-            return attn(*self.inputs())
+            return attn(*self.inputs(), rows)
 
 
 MIXED = [(0, 1), (37, 1), (0, 21), (19, 13), (5, 1), (64, 1), (3, 2), (0, 6), (130, 1)]
@@ -160,6 +162,42 @@ def test_single_plan_batches(steps: list[tuple[int, int]], decode_kernel: Any) -
     s = Scenario(4, 2, 16, 16, steps, seed=len(steps))
     out = s.run(kernel=decode_kernel)
     torch.testing.assert_close(out.double(), s.expected(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long-context"])
+def test_out_rows_attend_only_the_chunks_they_need(
+    long: bool, decode_kernel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``out_rows`` only those rows come back, in that order; a chunk is attended from
+    its first wanted row on and not at all without one; every row's K/V reach the cache."""
+    steps = [(2400, 300), (30, 1), (0, 9)] if long else MIXED
+    s = Scenario(4, 2, 16, 16, steps, seed=7)
+    starts = [0]
+    for _, n in steps:
+        starts.append(starts[-1] + n)
+    last = [stop - 1 for stop in starts[1:]]
+    # Every request's last row (what a runner samples), one row inside the first prefill, and
+    # a prefill left out altogether.
+    prefills = [i for i, (_, n) in enumerate(steps) if n > 1]
+    inside = starts[prefills[0]] + 3
+    dropped = prefills[-1]
+    rows = [r for r in last if r != last[dropped]][::-1] + [inside]
+    attended: list[int] = []
+    prefill = Attention._prefill
+
+    def counting(self: Attention, q: torch.Tensor, k: Any, v: Any, c: Any, p: Any, *a: Any) -> Any:
+        attended.append(p.token_stop - p.token_start)
+        return prefill(self, q, k, v, c, p, *a)
+
+    monkeypatch.setattr(Attention, "_prefill", counting)
+    out = s.run(kernel=decode_kernel, out_rows=rows)
+    torch.testing.assert_close(out.double(), s.expected()[rows], atol=1e-5, rtol=1e-5)
+    first = [i for i in prefills if i != dropped]
+    want = [starts[i + 1] - inside if i == prefills[0] else 1 for i in first]
+    assert attended == want
+    full = Scenario(4, 2, 16, 16, steps, seed=7)
+    full.run(kernel=decode_kernel)
+    assert torch.equal(s.cache, full.cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -227,23 +227,36 @@ MIXED = {"p": (30, 3), "d1": (41, 4), "d2": (17, 5), "c": (40, 6)}
 MIXED_STEP = [("d1", 1), ("p", 30), ("c", 15), ("d2", 1)]
 
 
-def mixed_runner(model: CausalLM) -> PagedRunner:
+def mixed_runner(model: CausalLM, native: bool = True) -> PagedRunner:
     """A runner one step before MIXED_STEP."""
-    runner = PagedRunner(model, seed=3)
+    runner = PagedRunner(model, seed=3, native=native)
     for req, (n, seed) in MIXED.items():
         runner.add(req, prompt(n, seed))
     runner.step([("d1", 40), ("d2", 16), ("c", 25)])
     return runner
 
 
+# Flat rows of MIXED_STEP: d1 0, p 1..30, c 31..45, d2 46.
+PICKS = {
+    "any-order": [0, 30, 46, 1],  # d1, p's last token, d2, p's first
+    "sampled": [0, 30, 45, 46],  # what the runner asks for: each request's last row
+    "mid-chunk": [40, 20, 30],  # chunks attended from a row inside them on
+}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-ops"])
+@pytest.mark.parametrize("pick", list(PICKS))
 @pytest.mark.parametrize("case", ["llama", "qwen3-tied"])
-def test_sampled_rows_alone_match_every_row(case: str, checkpoint: Callable[[str], Path]) -> None:
-    """With ``output_rows`` the last layer's output projection and MLP run for those rows
-    only; their hidden states, and every row's K/V in the cache, are as in a full forward."""
-    model = load(checkpoint(case))
-    full, picked, none = mixed_runner(model), mixed_runner(model), mixed_runner(model)
+def test_sampled_rows_alone_match_every_row(
+    case: str, pick: str, native: bool, checkpoint: Callable[[str], Path]
+) -> None:
+    """With ``output_rows`` the last layer's attention (from each chunk's first such row on),
+    output projection and MLP run for those rows only; their hidden states, and every row's
+    K/V in the cache, are as in a full forward."""
+    model = load(checkpoint(case), native=native)
+    full, picked, none = (mixed_runner(model, native) for _ in range(3))
     want = full.hidden(MIXED_STEP)
-    rows = [0, 30, 46, 1]  # d1, p's last token, d2, p's first (any order)
+    rows = PICKS[pick]
     got = picked.hidden(MIXED_STEP, rows)
     torch.testing.assert_close(got, want[rows], atol=1e-5, rtol=1e-5)
     # A step that samples nothing (e.g. only a chunk of a longer prompt).
