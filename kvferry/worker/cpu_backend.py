@@ -119,6 +119,11 @@ BF16_DOT_MAX_ROWS = 1
 # on (prefill), where the packed plans of some shapes run at 0.5-0.65x (the 0.6B o_proj at
 # 512-576 rows; Intel Xeon with AMX), so the packed copy serves steps up to here.
 BF16_AMX_PACKED_MAX_ROWS = 383
+# fp32 on an Intel CPU at the AVX-512 level: from this many rows on (long prefill steps, MLP
+# passes of 1,024 rows) MKL's GEMM on the dense weight (F.linear), which takes its AVX-512
+# kernels on Intel CPUs only, runs 1-6% ahead of oneDNN's packed one; below it they are level
+# or oneDNN leads (Intel Xeon with AMX, docs/benchmarks.md).
+F32_INTEL_DENSE_MIN_ROWS = 1024
 # oneDNN's fp32 AVX-512 GEMM runs some row counts of a prefill step up to 1.4x slower per
 # row than the nearest multiple of 8 (e.g. 259, 517 or 533 rows; none below 256 on the Intel
 # Xeon with AMX), so such steps run their layers on zero rows appended up to a multiple of 8
@@ -175,9 +180,12 @@ def packed_max_rows(features: CPUFeatures, dtype: torch.dtype = torch.float32) -
     """Up to how many rows a step uses the oneDNN-packed weight (None: every step). With AVX2
     or AVX-512, oneDNN's GEMMs beat MKL's at every size measured on the AMD CPUs this runs on
     (docs/benchmarks.md); below AVX2, only where the step streams the weight from memory. bf16
-    on AMX: up to BF16_AMX_PACKED_MAX_ROWS."""
+    on AMX: up to BF16_AMX_PACKED_MAX_ROWS; fp32 on an Intel CPU at the AVX-512 level: below
+    F32_INTEL_DENSE_MIN_ROWS."""
     if dtype == torch.bfloat16 and features.amx_bf16:
         return BF16_AMX_PACKED_MAX_ROWS
+    if dtype == torch.float32 and features.isa == "avx512" and features.vendor == "GenuineIntel":
+        return F32_INTEL_DENSE_MIN_ROWS - 1
     return None if features.isa in ("avx512", "avx2") else PACKED_MAX_ROWS
 
 

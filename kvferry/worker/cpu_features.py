@@ -45,12 +45,15 @@ class CPUFeatures:
     """``flags``: the :data:`FLAGS` this CPU has. ``isa``: the vector level the engine's
     paths use (the CPU's own, or lower where ``KVFERRY_CPU_ISA`` caps it; ``forced`` is that
     cap, None without one). ``native_bf16``: whether bf16 GEMMs run on bf16 instructions at
-    the level used (AVX512_BF16 or AMX-BF16, and ``isa`` is ``avx512``)."""
+    the level used (AVX512_BF16 or AMX-BF16, and ``isa`` is ``avx512``). ``vendor``:
+    ``/proc/cpuinfo``'s ``vendor_id`` (e.g. ``GenuineIntel``, ``AuthenticAMD``; empty where
+    unknown): MKL, which torch's dense GEMMs use, takes its best kernels on Intel CPUs only."""
 
     model: str
     flags: frozenset[str]
     isa: ISA
     forced: ISA | None = None
+    vendor: str = ""
 
     @property
     def native_bf16(self) -> bool:
@@ -76,6 +79,7 @@ class CPUFeatures:
         """Plain values for a benchmark record or a log line."""
         return {
             "cpu_model": self.model,
+            "cpu_vendor": self.vendor or "-",
             "cpu_flags": ",".join(f for f in FLAGS if f in self.flags) or "-",
             "isa": self.isa,
             "forced_isa": self.forced or "-",
@@ -93,8 +97,8 @@ def _level(flags: frozenset[str]) -> ISA:
     return "scalar"
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = "", set[str]()
+def _cpuinfo() -> tuple[str, set[str], str]:
+    model, flags, vendor = "", set[str](), ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -102,11 +106,13 @@ def _cpuinfo() -> tuple[str, set[str]]:
                 key = key.strip()
                 if key == "model name" and not model:
                     model = value.strip()
+                elif key == "vendor_id" and not vendor:
+                    vendor = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = set(value.split())
     except OSError:
         pass
-    return model or platform.processor() or platform.machine(), flags
+    return model or platform.processor() or platform.machine(), flags, vendor
 
 
 def _torch_flags() -> set[str]:
@@ -141,13 +147,13 @@ def parse_isa(value: str | None) -> ISA | None:
 def detect(forced: ISA | None = None) -> CPUFeatures:
     """This CPU's features, with the level capped at ``forced`` (never raised above the CPU's
     own: a cap above it changes nothing)."""
-    model, flags = _cpuinfo()
+    model, flags, vendor = _cpuinfo()
     have = frozenset((flags & set(FLAGS)) | _torch_flags())
     own = _level(have)
     isa = own
     if forced is not None and ISA_LEVELS.index(forced) < ISA_LEVELS.index(own):
         isa = forced
-    return CPUFeatures(model=model, flags=have, isa=isa, forced=forced)
+    return CPUFeatures(model=model, flags=have, isa=isa, forced=forced, vendor=vendor)
 
 
 @functools.cache

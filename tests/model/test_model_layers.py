@@ -122,6 +122,15 @@ def test_packed_weight_serves_every_step_from_avx2_up() -> None:
     bf16 = cpu_backend.packed_max_rows(amx, torch.bfloat16)
     assert bf16 == cpu_backend.BF16_AMX_PACKED_MAX_ROWS
     assert cpu_backend.packed_max_rows(features("avx512"), torch.bfloat16) is None
+    # fp32 on Intel at the AVX-512 level: MKL's GEMM on the dense weight from 1,024 rows on.
+    for vendor, isa, dtype, want in [
+        ("GenuineIntel", "avx512", torch.float32, cpu_backend.F32_INTEL_DENSE_MIN_ROWS - 1),
+        ("GenuineIntel", "avx2", torch.float32, None),
+        ("GenuineIntel", "avx512", torch.bfloat16, None),
+        ("AuthenticAMD", "avx512", torch.float32, None),
+    ]:
+        cpu = cpu_backend.CPUFeatures(model="x", flags=frozenset(), isa=isa, vendor=vendor)  # type: ignore[arg-type]
+        assert cpu_backend.packed_max_rows(cpu, dtype) == want, (vendor, isa, dtype)
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
     packed = cpu_backend.pack_weight(w)

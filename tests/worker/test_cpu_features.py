@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,6 +49,27 @@ def test_amx_bf16_needs_avx512_level_and_both_tile_flags() -> None:
     assert not cf.CPUFeatures("x", flags, "avx2", forced="avx2").amx_bf16
     assert not cf.CPUFeatures("x", flags - {"amx_tile"}, "avx512").amx_bf16
     assert not cf.CPUFeatures("x", flags - {"amx_bf16"} | {"avx512_bf16"}, "avx512").amx_bf16
+
+
+def test_vendor_from_cpuinfo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Some Xeon\n"
+        "flags\t\t: fpu avx2 fma avx512f avx512bw\n\nprocessor\t: 1\n"
+        "vendor_id\t: Other\n"
+    )
+    real_open = open
+
+    def fake_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        return real_open(info if path == "/proc/cpuinfo" else path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    got = cf.detect()
+    assert (got.vendor, got.model) == ("GenuineIntel", "Some Xeon")
+    assert got.as_dict()["cpu_vendor"] == "GenuineIntel"
+    assert {"avx512f", "avx512bw"} <= got.flags
+    info.write_text("processor\t: 0\n")  # no vendor line (e.g. some ARM kernels)
+    assert cf.detect().vendor == "" and cf.detect().as_dict()["cpu_vendor"] == "-"
 
 
 def test_cap_lowers_and_never_raises_the_level() -> None:
