@@ -12,9 +12,9 @@ them), so every workload sees about the same load. Every run uses its own seed (
 for both servers), so no run finds another's prompts in the prefix cache.
 
 The machine must be quiet: before the first launch the 1-minute load average, before every
-run the CPU share of other processes (see ``harness/quiet.py``). Before each launch a
-two-second GEMM and copy probe (``harness/speed_probe.py``) records how fast the machine is
-at that moment, which tells a slow launch from a slow hour. vLLM's result JSONs go to
+run the CPU share of other processes (see ``harness/quiet.py``). Before each launch and
+after its server stops, a two-second GEMM and copy probe (``harness/speed_probe.py``) records
+how fast the machine is at that moment, which tells a slow launch from a slow hour. vLLM's result JSONs go to
 ``.bench/results/serving/``; the summary to ``.bench/results/serving.json``; the report
 (stdout, and with ``--docs`` the ``serving`` block of ``docs/benchmarks.md``) has a table
 per model and plots in ``docs/img/``.
@@ -60,6 +60,7 @@ from benchmarks.harness.serving_plan import (
 from benchmarks.harness.serving_report import (
     NOISY,
     aggregate,
+    drifted_launches,
     model_table,
     plot_model,
     round_probes,
@@ -133,31 +134,21 @@ def launch(
     raw.mkdir(parents=True, exist_ok=True)
     client_log = raw / f"client-{backend}-round{rnd}.log"
     client_log.write_text("")
-    speed = None
-    if args.probe:
-        # Before the server starts, on the otherwise idle machine. A failed probe costs
-        # the launch its record, not the run.
-        try:
-            speed = probe_in_subprocess(sys.executable, dtype, SPECS[model].hidden)
-            log(
-                f"[probe] {dtype} GEMM {speed['gemm_gflops']:.0f} GFLOP/s, "
-                f"copy {speed['copy_gbps']:.1f} GB/s"
-            )
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            log(f"[probe] WARNING: no probe before this launch: {e}")
+    # Before the server starts, on the otherwise idle machine.
+    speed = take_probe(args, model, dtype, "before")
     log(f"[serving] {tag} round {rnd}: starting {backend}")
+    record: dict[str, Any] = {}
     with serving(backend, settings, raw, args.vllm_python, args.vllm_mp) as srv:
         log(f"[serving] {backend} healthy after {srv.startup_s:.1f} s")
-        doc["launches"].append(
-            {
-                "model": model,
-                "dtype": dtype,
-                "backend": backend,
-                "round": rnd,
-                "startup_s": srv.startup_s,
-                "speed_probe": speed,
-            }
+        record.update(
+            model=model,
+            dtype=dtype,
+            backend=backend,
+            round=rnd,
+            startup_s=srv.startup_s,
+            speed_probe=speed,
         )
+        doc["launches"].append(record)
         warm = bench_argv(
             args.vllm_python, srv.url, settings.model_dir, WARMUP, math.inf, 2, 10_000, None
         )
@@ -199,6 +190,28 @@ def launch(
                     f"{summary['output_throughput']:.1f} tok/s, others' CPU {other:.0%}"
                 )
                 write_json(args.out, doc)
+    # After the server stopped: a machine that slowed during the launch shows here.
+    record["speed_probe_after"] = take_probe(args, model, dtype, "after")
+    write_json(args.out, doc)
+
+
+def take_probe(
+    args: argparse.Namespace, model: str, dtype: str, when: str
+) -> dict[str, Any] | None:
+    """The GEMM and copy probe on the idle machine (None with --no-probe). A failed probe
+    costs the launch its record, not the run."""
+    if not args.probe:
+        return None
+    try:
+        speed: dict[str, Any] = probe_in_subprocess(sys.executable, dtype, SPECS[model].hidden)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        log(f"[probe] WARNING: no probe {when} this launch: {e}")
+        return None
+    log(
+        f"[probe] {when}: {dtype} GEMM {speed['gemm_gflops']:.0f} GFLOP/s, "
+        f"copy {speed['copy_gbps']:.1f} GB/s"
+    )
+    return speed
 
 
 def vllm_version(python: str) -> str | None:
@@ -260,6 +273,9 @@ def report(doc: dict[str, Any], write_docs: bool, quick: bool) -> str:
         by_round = round_probes(doc["launches"], model, dtype)
         if by_round:
             line += f" {by_round}"
+        drift = drifted_launches(doc["launches"], model, dtype)
+        if drift:
+            line += f" {drift}"
         parts += ["", f"#### `{model}` {dtype}", "", line, ""]
         parts.append(model_table(agg, model, dtype))
         suffix = "_quick" if quick else ""

@@ -129,6 +129,28 @@ def round_probes(launches: Sequence[Mapping[str, Any]], model: str, dtype: str) 
     return text
 
 
+def drifted_launches(launches: Sequence[Mapping[str, Any]], model: str, dtype: str) -> str:
+    """The launches of one model whose GEMM rate moved by more than :data:`UNEVEN` between
+    the probe before the server started and the one after it stopped: ``**Drifted
+    launches** (...): kvferry round 1 (358 -> 301 GFLOP/s).``; empty where none did (or no
+    launch has both probes). Such a launch's numbers hold an unknown share of either rate."""
+    drifted = []
+    for x in launches:
+        before, after = x.get("speed_probe"), x.get("speed_probe_after")
+        if (x["model"], x["dtype"]) != (model, dtype) or not before or not after:
+            continue
+        b, a = float(before["gemm_gflops"]), float(after["gemm_gflops"])
+        if min(a, b) > 0 and max(a, b) / min(a, b) - 1 > UNEVEN:
+            drifted.append(f"{LABELS[x['backend']]} round {x['round']} ({b:,.0f} -> {a:,.0f})")
+    if not drifted:
+        return ""
+    return (
+        "**Drifted launches** (the machine's GEMM rate moved by more than "
+        f"{UNEVEN:.0%} between the probes before and after the launch, GFLOP/s): "
+        f"{', '.join(drifted)}."
+    )
+
+
 def target_summary(agg: Mapping[Key, Mapping[str, Mapping[str, Any]]]) -> str:
     """One line per model: how many (workload, rate) points meet each target."""
     counts: dict[tuple[str, str], dict[str, list[int]]] = {}

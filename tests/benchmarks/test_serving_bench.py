@@ -19,7 +19,13 @@ from benchmarks.harness.bench_serve import (
     summarize,
 )
 from benchmarks.harness.quiet import NoisyMachine, other_share, wait_until
-from benchmarks.harness.serving_report import aggregate, model_table, round_probes, targets
+from benchmarks.harness.serving_report import (
+    aggregate,
+    drifted_launches,
+    model_table,
+    round_probes,
+    targets,
+)
 from benchmarks.harness.vllm_cli import aliased_version
 
 
@@ -159,6 +165,30 @@ def test_round_probes_pairs_each_rounds_launches_and_flags_uneven_ones() -> None
     assert "Uneven rounds" in text and text.endswith(": 1 (33% apart).")
     assert "Uneven" not in round_probes(launches[:2], "m", "float32")
     assert round_probes(launches[4:6], "m", "float32") == ""
+
+
+def test_drifted_launches_compare_each_launchs_probes_before_and_after() -> None:
+    def launch(backend: str, rnd: int, before: float, after: float | None) -> dict[str, Any]:
+        return {
+            "model": "m",
+            "dtype": "float32",
+            "backend": backend,
+            "round": rnd,
+            "speed_probe": {"gemm_gflops": before},
+            "speed_probe_after": None if after is None else {"gemm_gflops": after},
+        }
+
+    launches = [
+        launch("kvferry", 0, 358.0, 340.0),  # 5%: steady
+        launch("vllm", 0, 332.0, None),  # no probe after (an older record, or a failed one)
+        launch("vllm", 1, 330.0, 290.0),  # 14% slower by the end
+        launch("kvferry", 1, 300.0, 360.0),  # 20% faster
+    ]
+    text = drifted_launches(launches, "m", "float32")
+    assert text.startswith("**Drifted launches**")
+    assert text.endswith(": vLLM CPU round 1 (330 -> 290), kvferry round 1 (300 -> 360).")
+    assert drifted_launches(launches[:2], "m", "float32") == ""
+    assert drifted_launches(launches, "other", "float32") == ""
     assert round_probes(launches, "absent", "float32") == ""
 
 
