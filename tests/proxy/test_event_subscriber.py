@@ -46,7 +46,13 @@ class Rig:
     def start(self) -> None:
         self.sub.start()
         self.pub.wait_subscribed()
-        wait_for(lambda: self.sub.synced(A), what="the initial replay")
+        # With replay, also the one asked for on the SUB's connect event: one still in flight
+        # would hold the next live frames back and could overtake them.
+        st = self.sub._states[A]
+        wait_for(
+            lambda: (st.connects >= 1 or not st.src.replay_endpoint) and self.sub.synced(A),
+            what="the initial replays",
+        )
 
     def matched(self, tokens: list[int]) -> int:
         return self.index.match(A, tokens).blocks
