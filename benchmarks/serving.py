@@ -14,8 +14,8 @@ for both servers), so no run finds another's prompts in the prefix cache.
 The machine must be quiet: before the first launch the 1-minute load average, before every
 run the CPU share of other processes (see ``harness/quiet.py``). Before each launch and
 after its server stops, a two-second GEMM and copy probe (``harness/speed_probe.py``) records
-how fast the machine is at that moment, which tells a slow launch from a slow hour. vLLM's result JSONs go to
-``.bench/results/serving/``; the summary to ``.bench/results/serving.json``; the report
+how fast the machine is at that moment, which tells a slow launch from a slow hour. vLLM's
+result JSONs go to ``.bench/results/serving/``; the summary to ``.bench/results/serving.json``; the report
 (stdout, and with ``--docs`` the ``serving`` block of ``docs/benchmarks.md``) has a table
 per model and plots in ``docs/img/``.
 
@@ -66,7 +66,7 @@ from benchmarks.harness.serving_report import (
     round_probes,
     target_summary,
 )
-from benchmarks.harness.speed_probe import probe_in_subprocess, spread_text
+from benchmarks.harness.speed_probe import probe_or_none, spread_text
 from benchmarks.harness.timing import alternating
 from benchmarks.harness.vllm_env import default_vllm_python
 from benchmarks.harness.vllm_server import (
@@ -134,8 +134,9 @@ def launch(
     raw.mkdir(parents=True, exist_ok=True)
     client_log = raw / f"client-{backend}-round{rnd}.log"
     client_log.write_text("")
+    hidden = SPECS[model].hidden
     # Before the server starts, on the otherwise idle machine.
-    speed = take_probe(args, model, dtype, "before")
+    speed = probe_or_none(sys.executable, dtype, hidden, "before") if args.probe else None
     log(f"[serving] {tag} round {rnd}: starting {backend}")
     record: dict[str, Any] = {}
     with serving(backend, settings, raw, args.vllm_python, args.vllm_mp) as srv:
@@ -191,27 +192,9 @@ def launch(
                 )
                 write_json(args.out, doc)
     # After the server stopped: a machine that slowed during the launch shows here.
-    record["speed_probe_after"] = take_probe(args, model, dtype, "after")
-    write_json(args.out, doc)
-
-
-def take_probe(
-    args: argparse.Namespace, model: str, dtype: str, when: str
-) -> dict[str, Any] | None:
-    """The GEMM and copy probe on the idle machine (None with --no-probe). A failed probe
-    costs the launch its record, not the run."""
-    if not args.probe:
-        return None
-    try:
-        speed: dict[str, Any] = probe_in_subprocess(sys.executable, dtype, SPECS[model].hidden)
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        log(f"[probe] WARNING: no probe {when} this launch: {e}")
-        return None
-    log(
-        f"[probe] {when}: {dtype} GEMM {speed['gemm_gflops']:.0f} GFLOP/s, "
-        f"copy {speed['copy_gbps']:.1f} GB/s"
-    )
-    return speed
+    if args.probe:
+        record["speed_probe_after"] = probe_or_none(sys.executable, dtype, hidden, "after")
+        write_json(args.out, doc)
 
 
 def vllm_version(python: str) -> str | None:

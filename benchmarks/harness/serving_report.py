@@ -104,6 +104,11 @@ def model_table(agg: Mapping[Key, Mapping[str, Mapping[str, Any]]], model: str, 
     return markdown_table(headers, rows)
 
 
+def _apart(*rates: float) -> float:
+    """How far the largest of positive ``rates`` lies above the smallest (0.1: 10%)."""
+    return max(rates) / min(rates) - 1
+
+
 def round_probes(launches: Sequence[Mapping[str, Any]], model: str, dtype: str) -> str:
     """The GEMM rate the probe found before each server's launch, round by round, for one
     model: ``By round, GEMM GFLOP/s kvferry / vLLM CPU: 2,192 / 2,188, 2,739 / 2,766.``, and
@@ -119,7 +124,7 @@ def round_probes(launches: Sequence[Mapping[str, Any]], model: str, dtype: str) 
         return ""
     shown = ", ".join(f"{v['kvferry']:,.0f} / {v['vllm']:,.0f}" for v in pairs.values())
     text = f"By round, GEMM GFLOP/s {LABELS['kvferry']} / {LABELS['vllm']}: {shown}."
-    gaps = {r: max(v.values()) / min(v.values()) - 1 for r, v in pairs.items()}
+    gaps = {r: _apart(*v.values()) for r, v in pairs.items()}
     uneven = [f"{r} ({gap:.0%} apart)" for r, gap in gaps.items() if gap > UNEVEN]
     if uneven:
         text += (
@@ -140,7 +145,7 @@ def drifted_launches(launches: Sequence[Mapping[str, Any]], model: str, dtype: s
         if (x["model"], x["dtype"]) != (model, dtype) or not before or not after:
             continue
         b, a = float(before["gemm_gflops"]), float(after["gemm_gflops"])
-        if min(a, b) > 0 and max(a, b) / min(a, b) - 1 > UNEVEN:
+        if min(a, b) > 0 and _apart(a, b) > UNEVEN:
             drifted.append(f"{LABELS[x['backend']]} round {x['round']} ({b:,.0f} -> {a:,.0f})")
     if not drifted:
         return ""

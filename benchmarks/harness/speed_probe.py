@@ -1,4 +1,4 @@
-"""How fast is the machine right now? A short GEMM and copy probe, taken before each launch.
+"""How fast is the machine right now? A short GEMM and copy probe, around each launch.
 
 On a shared VM both engines' absolute numbers move by tens of percent from hour to hour (other
 tenants share the last-level cache and the memory channels, and the load average does not see
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.bandwidth import measure_copy_bandwidth
+from benchmarks.harness.cli import log
 from benchmarks.harness.compute import measure_matmul_rate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +69,21 @@ def probe_in_subprocess(
     if not isinstance(doc, dict) or not {"gemm_gflops", "copy_gbps"} <= doc.keys():
         raise RuntimeError(f"speed probe printed no result: {r.stdout.strip()[-200:]!r}")
     return doc
+
+
+def probe_or_none(python: str, dtype: str, hidden: int, when: str) -> dict[str, Any] | None:
+    """:func:`probe_in_subprocess`, logged as taken ``when`` (e.g. "before" a launch); None,
+    with a warning, where it fails: a failed probe costs a launch its record, not the run."""
+    try:
+        speed = probe_in_subprocess(python, dtype, hidden)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        log(f"[probe] WARNING: no probe {when} this launch: {e}")
+        return None
+    log(
+        f"[probe] {when}: {dtype} GEMM {speed['gemm_gflops']:.0f} GFLOP/s, "
+        f"copy {speed['copy_gbps']:.1f} GB/s"
+    )
+    return speed
 
 
 def spread_text(probes: Sequence[dict[str, Any]]) -> str:

@@ -214,8 +214,9 @@ class CausalLM(nn.Module):
     ``[num_tokens, hidden_size]``, or with ``output_rows`` (a long tensor of flat token indices)
     those rows' alone, in that order: the last layer then runs its attention (from each
     chunk's first such row on), output projection and MLP for them only, since no other
-    row's last-layer output is read (every row's K/V still reach the cache). It must run inside ``set_forward_context``: the attention
-    layers read the step's metadata and KV caches from it. ``compute_logits(hidden)`` returns
+    row's last-layer output is read (every row's K/V still reach the cache). It must run
+    inside ``set_forward_context``: the attention layers read the step's metadata and KV
+    caches from it. ``compute_logits(hidden)`` returns
     fp32 ``[n, vocab_size]``. ``layer_names`` lists the attention layers, in order, as they
     key ``ForwardContext.kv_caches``.
 
