@@ -43,7 +43,7 @@ class PagedPrefillKernel(PagedKVKernel):
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__(lib, self.SYMBOL, self.OWN_ARGTYPES, "paged prefill attention")
-        # Query heads per kv head that one work item can stack (IROWS in the C source).
+        # Query heads per kv head that one query tile can stack (IROWS in the C source).
         rows = getattr(lib, f"{self.SYMBOL}_rows")
         rows.restype = ctypes.c_int
         self.max_group = int(rows())

@@ -22,16 +22,21 @@ pytestmark = pytest.mark.skipif(
 
 
 def _reference(
-    q: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, ctx: int, scale: float
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    ctx: int,
+    scale: float,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """SDPA in fp32 on the gathered sequence with a causal mask shifted by ``ctx``."""
+    """SDPA in ``dtype`` on the gathered sequence with a causal mask shifted by ``ctx``."""
     q_len, _, head_dim = q.shape
     seq = ctx + q_len
-    k = cache[0][block_ids].flatten(0, 1)[:seq].float()
-    v = cache[1][block_ids].flatten(0, 1)[:seq].float()
+    k = cache[0][block_ids].flatten(0, 1)[:seq].to(dtype)
+    v = cache[1][block_ids].flatten(0, 1)[:seq].to(dtype)
     mask = torch.arange(seq)[None, :] <= (torch.arange(q_len) + ctx)[:, None]
     o = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None],
+        q.to(dtype).transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
         attn_mask=mask,
@@ -110,6 +115,51 @@ def test_avx512_tiles_match_sdpa(dtype: torch.dtype, tmp_path) -> None:  # type:
     for shape in [(16, 4, 64, 16), (8, 1, 64, 4), (6, 2, 128, 32)]:
         for ctx, q_len in [(0, 150), (100, 29)]:
             _check_case(kernel, dtype, *shape, ctx, q_len)
+
+
+def _hidden_avx512_kernel(tmp_path) -> PagedPrefillKernel:  # type: ignore[no-untyped-def]
+    """The build an AVX2-only CPU gets (16-row register tiles, the portable 2^x), made here by
+    hiding AVX-512 from the source, so that AVX-512 CPUs check it too."""
+    src = tmp_path / "paged_prefill_avx2.c"
+    src.write_text("#undef __AVX512F__\n" + (CSRC / "paged_prefill.c").read_text())
+    lib = load_library("paged_prefill_avx2", source=src)
+    assert lib is not None
+    return PagedPrefillKernel(lib)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_tiles_match_sdpa(dtype: torch.dtype, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    kernel = _hidden_avx512_kernel(tmp_path)
+    for shape in [(16, 4, 64, 16), (8, 1, 64, 4), (6, 2, 128, 32)]:
+        for ctx, q_len in [(0, 150), (100, 29)]:
+            _check_case(kernel, dtype, *shape, ctx, q_len)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_running_max_moves_and_stays(build: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Scores that grow along the sequence, by more than the kernel's slack for its running
+    max in some tiles and less in others, row by row (rows of one vector parting ways), and
+    then fall (about two thirds of the tiles move some row's max): against a float64
+    reference, as close as torch's fp32 SDPA."""
+    kernel = load_paged_prefill() if build == "native" else _hidden_avx512_kernel(tmp_path)
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block_size, ctx, q_len = 16, 4, 64, 16, 300, 200
+    seq = ctx + q_len
+    nblocks = -(-seq // block_size)
+    cache = torch.randn(2, nblocks + 3, block_size, kv_heads, head_dim, generator=gen)
+    block_ids = torch.randperm(nblocks + 3, generator=gen)[:nblocks].contiguous()
+    # Key norms rise to 40x at position 250, then fall: scores past 100 (natural units), more
+    # than fp32 could hold as 2^(score - first max).
+    t = torch.arange(seq, dtype=torch.float32)
+    growth = 1.0 + 39.0 * torch.minimum(t / 250.0, (seq - t) / (seq - 250.0)).clamp(min=0.0)
+    cache[0, block_ids[t.long() // block_size], t.long() % block_size] *= growth[:, None, None]
+    q = torch.randn(q_len, heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    out = kernel(q, cache, block_ids, ctx, scale)
+    ref = _reference(q, cache, block_ids, ctx, scale, torch.float64)
+    sdpa_err = (_reference(q, cache, block_ids, ctx, scale).double() - ref).abs().max().item()
+    assert 0 < (out.double() - ref).abs().max().item() <= 2 * sdpa_err
 
 
 def test_supports() -> None:

@@ -74,9 +74,11 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(
     ("ctx", "q_len", "window"),
     # fresh prompts longer than the window, windows smaller than a key tile (16) and spanning
-    # several, chunks whose first queries' windows end before the chunk, window 1
-    [(0, 40, 7), (0, 70, 20), (33, 29, 16), (100, 9, 5), (64, 64, 31), (50, 20, 1), (3, 4, 100)],
-)
+    # several, chunks whose first queries' windows end before the chunk, window 1; long chunks
+    # whose work items hold several query tiles each, over several key blocks (120 keys)
+    [(0, 40, 7), (0, 70, 20), (33, 29, 16), (100, 9, 5), (64, 64, 31), (50, 20, 1), (3, 4, 100),
+     (300, 400, 150), (0, 512, 130), (1000, 256, 37)],
+)  # fmt: skip
 def test_prefill_window(
     dtype: torch.dtype, heads: int, kv_heads: int, block_size: int, ctx: int, q_len: int,
     window: int, amx: bool,
