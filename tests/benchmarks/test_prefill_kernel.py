@@ -48,3 +48,45 @@ def test_amx_kernel_needs_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["prefill_kernel.py", "--kernel", "amx"])
     with pytest.raises(SystemExit, match="bf16 only"):
         prefill_kernel.main()
+
+
+def test_against_a_revision_after_a_context(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--baseline``: the kernel built from a git revision's sources, timed in turn; here the
+    revision is HEAD, so both builds give the same output and the speed-up is finite."""
+    if load_paged_prefill() is None:
+        pytest.skip("no C compiler, or native kernels off")
+    argv = ["prefill_kernel.py", "--lengths", "40", "--reps", "2", "--context", "70"]
+    monkeypatch.setattr(
+        sys, "argv", argv + ["--heads", "4", "--kv-heads", "2", "--baseline", "HEAD"]
+    )
+    prefill_kernel.main()
+    last = capsys.readouterr().out.splitlines()[-1].split()
+    assert last[0] == "40" and len(last) == 10
+    assert float(last[7]) < 1e-4  # the chunk after 70 cached keys agrees with masked SDPA
+    assert float(last[8]) >= 0 and math.isfinite(float(last[9].rstrip("x")))
+
+
+def test_engine_ab_prefills_in_an_engine(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    if load_paged_prefill() is None:
+        pytest.skip("no C compiler, or native kernels off")
+    from benchmarks.harness import models
+
+    monkeypatch.setattr(models, "MODELS_DIR", tmp_path)
+    argv = ["prefill_kernel.py", "--engine", "tiny", "--lengths", "64", "200", "--reps", "2"]
+    monkeypatch.setattr(sys, "argv", argv + ["--baseline", "HEAD"])
+    prefill_kernel.main()
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["tokens"])
+    rows = [line.split() for line in lines[header + 1 :]]
+    assert [r[0] for r in rows] == ["64", "200"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+
+
+def test_engine_needs_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["prefill_kernel.py", "--engine", "mid"])
+    with pytest.raises(SystemExit, match="--baseline"):
+        prefill_kernel.main()
