@@ -194,7 +194,10 @@ def main() -> None:
         causal: dict[str, Any] = {"is_causal": True}
         if ctx:
             causal = {"attn_mask": torch.arange(seq)[None, :] <= (torch.arange(n) + ctx)[:, None]}
-        sdpa = partial(F.scaled_dot_product_attention, qs, k, v, scale=scale, **causal)
+        # 4-D (batch of one): torch's flash kernel takes 4-D inputs only.
+        sdpa = partial(
+            F.scaled_dot_product_attention, qs[None], k[None], v[None], scale=scale, **causal
+        )
         # What attention does for a fresh sequence without the kernel: SDPA in the model's
         # dtype on the step's own K/V, laid out as the engine holds them (bf16 with AMX takes
         # torch's flash path on tiles).
@@ -209,7 +212,7 @@ def main() -> None:
             **causal,
         )
         paged = partial(kernel, q, cache, ids, ctx, scale)
-        err = (paged().float() - sdpa().transpose(0, 1)).abs().max()
+        err = (paged().float() - sdpa()[0].transpose(0, 1)).abs().max()
         flops = 4 * h * d * n * (ctx + (n + 1) / 2)
         t_kernel = median_s(paged, args.reps)
         t_sdpa = median_s(sdpa, args.reps)
