@@ -138,17 +138,16 @@ def launch(
     # Before the server starts, on the otherwise idle machine.
     speed = probe_or_none(sys.executable, dtype, hidden, "before") if args.probe else None
     log(f"[serving] {tag} round {rnd}: starting {backend}")
-    record: dict[str, Any] = {}
     with serving(backend, settings, raw, args.vllm_python, args.vllm_mp) as srv:
         log(f"[serving] {backend} healthy after {srv.startup_s:.1f} s")
-        record.update(
-            model=model,
-            dtype=dtype,
-            backend=backend,
-            round=rnd,
-            startup_s=srv.startup_s,
-            speed_probe=speed,
-        )
+        record: dict[str, Any] = {
+            "model": model,
+            "dtype": dtype,
+            "backend": backend,
+            "round": rnd,
+            "startup_s": srv.startup_s,
+            "speed_probe": speed,
+        }
         doc["launches"].append(record)
         warm = bench_argv(
             args.vllm_python, srv.url, settings.model_dir, WARMUP, math.inf, 2, 10_000, None

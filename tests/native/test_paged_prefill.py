@@ -102,16 +102,21 @@ def _check_case(
         assert (out.float() - ref.to(dtype).float()).abs().max() <= 2e-2
 
 
+def _built_with(first_line: str, name: str, tmp_path) -> PagedPrefillKernel:  # type: ignore[no-untyped-def]
+    """The kernel built from its source with ``first_line`` put in front: the whole source,
+    not an #include of it, since the build cache is keyed by the file's text."""
+    src = tmp_path / f"{name}.c"
+    src.write_text(first_line + "\n" + (CSRC / "paged_prefill.c").read_text())
+    lib = load_library(name, source=src)
+    assert lib is not None
+    return PagedPrefillKernel(lib)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx512_tiles_match_sdpa(dtype: torch.dtype, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The AVX-512 build's tile shapes (one 64-row register tile, 4 vectors of 16), built
     here with the vectors split by the compiler, so CPUs without AVX-512 check them too."""
-    src = tmp_path / "paged_prefill_wide.c"
-    # The whole source, not an #include of it: the build cache is keyed by the file's text.
-    src.write_text("#define KVF_WIDE_TILES 1\n" + (CSRC / "paged_prefill.c").read_text())
-    lib = load_library("paged_prefill_wide", source=src)
-    assert lib is not None
-    kernel = PagedPrefillKernel(lib)
+    kernel = _built_with("#define KVF_WIDE_TILES 1", "paged_prefill_wide", tmp_path)
     for shape in [(16, 4, 64, 16), (8, 1, 64, 4), (6, 2, 128, 32)]:
         for ctx, q_len in [(0, 150), (100, 29)]:
             _check_case(kernel, dtype, *shape, ctx, q_len)
@@ -120,11 +125,7 @@ def test_avx512_tiles_match_sdpa(dtype: torch.dtype, tmp_path) -> None:  # type:
 def _hidden_avx512_kernel(tmp_path) -> PagedPrefillKernel:  # type: ignore[no-untyped-def]
     """The build an AVX2-only CPU gets (16-row register tiles, the portable 2^x), made here by
     hiding AVX-512 from the source, so that AVX-512 CPUs check it too."""
-    src = tmp_path / "paged_prefill_avx2.c"
-    src.write_text("#undef __AVX512F__\n" + (CSRC / "paged_prefill.c").read_text())
-    lib = load_library("paged_prefill_avx2", source=src)
-    assert lib is not None
-    return PagedPrefillKernel(lib)
+    return _built_with("#undef __AVX512F__", "paged_prefill_avx2", tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

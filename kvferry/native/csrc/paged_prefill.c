@@ -350,7 +350,7 @@ static void attend_block(const scratch_t *w, int64_t i, const qtile_t *qt, int64
     /* Query tile i of the item (query tile qt, kv head h) into the scratch. */               \
     static void NAME##_queries_in(scratch_t *w, int64_t i, const qtile_t *qt, const T *q,     \
                                   int64_t q_row_stride, int64_t h, int64_t group, int64_t d,  \
-                                  int64_t ctx, float scale, int fast) {                       \
+                                  float scale, int fast) {                                    \
         const float *rsrc[16];                                                                \
         float *qt0 = w->qt + i * IROWS * d;                                                   \
         for (int64_t r = 0; r < qt->rts * ROWS; r++) {                                        \
@@ -366,7 +366,7 @@ static void attend_block(const scratch_t *w, int64_t i, const qtile_t *qt, int64
             }                                                                                 \
             w->m[i * IROWS + r] = NEG;                                                        \
             w->l[i * IROWS + r] = 0.0f;                                                       \
-            w->lim[i * IROWS + r] = (int32_t)(ctx + qt->q0 + qi);                             \
+            w->lim[i * IROWS + r] = (int32_t)(qt->lim0 + qi);                                 \
         }                                                                                     \
         memset(w->ot + i * IROWS * d, 0, sizeof(float) * d * ROWS * qt->rts);                 \
     }                                                                                         \
@@ -437,8 +437,8 @@ static void attend_block(const scratch_t *w, int64_t i, const qtile_t *qt, int64
                 qtile_t qts[QG] = {{0}};                                                      \
                 for (int64_t i = 0; i < ntiles; i++) {                                        \
                     qts[i] = query_tile(tile0 + i, qt_n, q_len, group, ctx, window);          \
-                    NAME##_queries_in(&w, i, &qts[i], q, q_row_stride, h, group, d, ctx,      \
-                                      scale, fast);                                           \
+                    NAME##_queries_in(&w, i, &qts[i], q, q_row_stride, h, group, d, scale,    \
+                                      fast);                                                  \
                 }                                                                             \
                 /* The first tile's first key is the item's first (windows move forward). */  \
                 const int64_t kfirst = qts[0].kstart, klast = qts[ntiles - 1].kend;           \
