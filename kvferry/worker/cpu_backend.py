@@ -14,8 +14,9 @@ Which path serves what (all on CPU):
   it serves every step, prefill included (oneDNN's GEMMs beat MKL's on AMD CPUs, where MKL
   takes generic kernels); below AVX2 it serves small steps (decode) and MKL the rest. At the
   AVX2 level, steps of at most :data:`F32_KERNEL_MAX_ROWS` rows (decode, the logits) run a C
-  kernel on the dense weight instead, which beats oneDNN there; at the AVX-512 level, steps of
-  at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows run its AVX-512 variant, and steps of up to
+  kernel on the dense weight instead, which beats oneDNN there; at the AVX-512 level, on
+  Intel CPUs steps of at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows run its AVX-512
+  variant, and steps of up to
   :data:`F32_PANEL_MAX_ROWS` rows a C kernel on a third copy of the weight, laid out in
   panels of outputs (it overlaps reading the weights with computing on them, where oneDNN
   does one after the other). Where torch has no oneDNN the
@@ -99,8 +100,10 @@ BF16_KERNEL_MAX_ROWS = 128
 # oneDNN's small steps neither stream the weight at the memory rate nor compute at the GEMM
 # rate; the two cross near 40 rows on the benchmark models' shapes.
 F32_KERNEL_MAX_ROWS = 32
-# At the AVX-512 level the kernel's AVX-512 variant streams the dense weight at the memory rate
-# for steps of one or two rows, 5-10% ahead of the panel kernel there (Intel Xeon with AMX).
+# At the AVX-512 level on Intel CPUs the kernel's AVX-512 variant streams the dense weight at
+# the memory rate for steps of one or two rows, 5-10% ahead of the panel kernel there (Intel
+# Xeon with AMX); on AMD's Zen 5 the panel kernel is 20-25% ahead at one to four rows, so
+# elsewhere the dense kernel serves only where the panel kernel cannot be built.
 F32_KERNEL_MAX_ROWS_AVX512 = 2
 # At the AVX-512 level, up to this many rows the panel kernel (csrc/f32_panel_linear.c) beats
 # oneDNN's packed GEMM with the weights coming from memory, as in an engine step: 1.2-1.5x at
@@ -390,8 +393,9 @@ class CPUBackend:
             elif dtype == torch.float32 and self.features.isa == "avx2":
                 small, rows = load_f32_linear("avx2"), F32_KERNEL_MAX_ROWS
             elif dtype == torch.float32 and self.features.isa == "avx512":
-                small, rows = load_f32_linear("avx512"), F32_KERNEL_MAX_ROWS_AVX512
                 self.panel_linear = load_f32_panel_linear()
+                if self.features.vendor == "GenuineIntel" or self.panel_linear is None:
+                    small, rows = load_f32_linear("avx512"), F32_KERNEL_MAX_ROWS_AVX512
             if small is not None:
                 self.small_steps = small, rows
             self.argmax = load_argmax()

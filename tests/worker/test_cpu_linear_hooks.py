@@ -122,6 +122,30 @@ def test_panel_hook_serves_small_2d_fp32_steps_from_its_own_copy() -> None:
     torch.testing.assert_close(hook(x, torch.zeros_like(w), b), F.linear(x, w, b))
 
 
+def test_fp32_small_steps_at_the_avx512_level_by_vendor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On Intel the dense-weight kernel takes 1-2-row steps in front of the panel kernel;
+    elsewhere the panel kernel takes them, and the dense kernel only stands in for it."""
+    if load_f32_panel_linear() is None or load_f32_linear("avx512") is None:
+        pytest.skip("native kernels are off or unbuildable here")
+
+    def backend(vendor: str) -> cpu_backend.CPUBackend:
+        cpu = cpu_backend.CPUFeatures(
+            model="x", flags=frozenset({"avx512f"}), isa="avx512", vendor=vendor
+        )
+        return cpu_backend.CPUBackend(torch.float32, features=cpu)
+
+    intel, amd = backend("GenuineIntel"), backend("AuthenticAMD")
+    assert intel.panel_linear is not None and amd.panel_linear is not None
+    assert intel.small_steps is not None
+    assert intel.small_steps[1] == cpu_backend.F32_KERNEL_MAX_ROWS_AVX512
+    assert amd.small_steps is None
+    monkeypatch.setattr(cpu_backend, "load_f32_panel_linear", lambda: None)
+    stand_in = backend("AuthenticAMD")
+    assert stand_in.panel_linear is None and stand_in.small_steps is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(9, 40), (2, 5, 40)])
 def test_widened_linear_is_the_fp32_product_rounded_once(

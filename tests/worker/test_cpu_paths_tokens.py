@@ -206,7 +206,9 @@ def test_every_fp32_path_gives_the_same_tokens(
     if own.cpu_isa == "avx512":
         dense = f"c-f32-avx512<={cpu_backend.F32_KERNEL_MAX_ROWS_AVX512}rows,"
         panels = f"c-f32-panels<={cpu_backend.F32_PANEL_MAX_ROWS}rows,"
-        cases.append(("avx512", True, True, dense + panels + onednn))
+        # The dense-weight kernel serves 1-2-row steps in front of the panels on Intel only.
+        ahead = dense if own.vendor == "GenuineIntel" else ""
+        cases.append(("avx512", True, True, ahead + panels + onednn))
         cases.append(("avx512", False, True, panels + onednn))
         cases.append(("avx512", True, False, dense + onednn))
         cases.append(("avx512", False, False, onednn))
