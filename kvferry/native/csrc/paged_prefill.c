@@ -86,7 +86,18 @@ static inline vf vselect(vi mask, vf a, vf b) {
     return a;
 }
 
+/* a > b ? a : b per lane, as the max instructions do. Built from vselect the compiler emits a
+ * compare and two masked logic ops per call, and a tile's max over its keys is one chain of
+ * them (about a tenth of the kernel's time on AVX-512). */
+#if defined(__AVX512F__) && VW == 16
+#include <immintrin.h>
+static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#elif defined(__AVX__) && VW == 8
+#include <immintrin.h>
+static inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+#else
 static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+#endif
 
 #if defined(__AVX512F__) && VW == 16
 #include "exp2_avx512.h"
@@ -213,8 +224,15 @@ static int softmax_tile(float *restrict s, int64_t n, int64_t t0, const int32_t 
     }
     int moved = 0;
     for (int v = 0; v < RV; v++) {
-        vf mo = vload(m + VW * v), tm = vload(s + VW * v);
-        for (int64_t j = 1; j < n; j++) tm = vmax(tm, vload(s + j * ROWS + VW * v));
+        /* Two chains of maxima, so that each max waits on the one two keys back. */
+        vf mo = vload(m + VW * v), tm = vload(s + VW * v), tm2 = tm;
+        int64_t j = 1;
+        for (; j + 1 < n; j += 2) {
+            tm = vmax(tm, vload(s + j * ROWS + VW * v));
+            tm2 = vmax(tm2, vload(s + (j + 1) * ROWS + VW * v));
+        }
+        if (j < n) tm = vmax(tm, vload(s + j * ROWS + VW * v));
+        tm = vmax(tm, tm2);
         /* NEG + MAX_SLACK == NEG: a row's first visible score always moves its max. */
         const vi up = tm > mo + MAX_SLACK;
         int any = 0;
