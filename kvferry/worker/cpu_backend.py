@@ -16,11 +16,10 @@ Which path serves what (all on CPU):
   AVX2 level, steps of at most :data:`F32_KERNEL_MAX_ROWS` rows (decode, the logits) run a C
   kernel on the dense weight instead, which beats oneDNN there; at the AVX-512 level, on
   Intel CPUs steps of at most :data:`F32_KERNEL_MAX_ROWS_AVX512` rows run its AVX-512
-  variant, and steps of up to
-  :data:`F32_PANEL_MAX_ROWS` rows a C kernel on a third copy of the weight, laid out in
-  panels of outputs (it overlaps reading the weights with computing on them, where oneDNN
-  does one after the other). Where torch has no oneDNN the
-  weight becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
+  variant, and steps of up to :data:`F32_PANEL_MAX_ROWS` rows a C kernel on a third copy of
+  the weight, laid out in panels of outputs (it overlaps reading the weights with computing
+  on them, where oneDNN does one after the other). Where torch has no oneDNN the weight
+  becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
   elementwise steps. On AVX-512, steps of :data:`F32_PAD_MIN_ROWS` rows or more run on rows
   padded to a multiple of :data:`F32_ROW_MULTIPLE` (bf16 on AMX: steps past
   :data:`BF16_AMX_MAX_ROWS` rows, to a multiple of :data:`BF16_AMX_ROW_MULTIPLE`).
