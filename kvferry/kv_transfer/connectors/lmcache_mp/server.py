@@ -1,10 +1,11 @@
 """Start a real LMCache multi-process server for tests, the demo and benchmarks.
 
 :func:`lmcache_server` runs ``python -m lmcache.v1.multiprocess.server`` on 127.0.0.1 on
-a free port, with metrics off (its Prometheus endpoint would bind 0.0.0.0), both transfer
-modes enabled (a CPU engine copies blocks itself: engine-driven) and a private POSIX
-shared-memory segment for those copies; it waits until the server answers a request, and
-stops it (and removes the segment) on exit, also after a failure.
+a free port, with metrics off (its Prometheus endpoint would bind 0.0.0.0), LMCache's usage
+reports off (they would go to LMCache's web service), both transfer modes enabled (a CPU
+engine copies blocks itself: engine-driven) and a private POSIX shared-memory segment for
+those copies; it waits until the server answers a request, and stops it (and removes the
+segment) on exit, also after a failure.
 
 This is a convenience for one machine. A deployment runs its LMCache server the way LMCache
 documents and points the connector at it (``lmcache.mp.host`` / ``lmcache.mp.port``).
@@ -13,6 +14,7 @@ documents and points the connector at it (``lmcache.mp.host`` / ``lmcache.mp.por
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -28,6 +30,8 @@ from typing import IO, Any
 from kvferry.kv_transfer.connectors.lmcache_mp.lmcache_api import lmcache_api
 
 HOST = "127.0.0.1"
+
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -108,14 +112,48 @@ def start_lmcache_server(
     port: int | None = None,
     log_path: Path | None = None,
     extra_args: tuple[str, ...] = (),
-    timeout: float = 60.0,
+    timeout: float = 45.0,
+    attempts: int = 2,
     shared_memory: bool = True,
 ) -> LMCacheServer:
     """Start a server and wait until it answers (see the module docstring).
     ``shared_memory=False`` leaves out ``--shm-name`` (kvferry's connector refuses such a
-    server: LMCache would send KV to the engine as pickles)."""
+    server: LMCache would send KV to the engine as pickles). A server that is up but stays
+    silent for ``timeout`` seconds is stopped and started again, ``attempts`` launches in
+    all; one that exits is not retried. Errors carry the tail of the server's log."""
     lmcache_api()  # a clear ConfigError when LMCache is not installed
-    port = free_port() if port is None else port
+    for attempt in range(1, attempts + 1):
+        try:
+            return _launch(
+                chunk_size=chunk_size,
+                l1_size_gb=l1_size_gb,
+                port=free_port() if port is None else port,
+                log_path=log_path,
+                extra_args=extra_args,
+                timeout=timeout,
+                shared_memory=shared_memory,
+            )
+        except _Silent as e:
+            if attempt == attempts:
+                raise RuntimeError(str(e)) from None
+            logger.warning("%s; starting it again (launch %d of %d)", e, attempt + 1, attempts)
+    raise AssertionError("unreachable")
+
+
+class _Silent(Exception):
+    """The server process is up but did not answer in time."""
+
+
+def _launch(
+    *,
+    chunk_size: int,
+    l1_size_gb: float,
+    port: int,
+    log_path: Path | None,
+    extra_args: tuple[str, ...],
+    timeout: float,
+    shared_memory: bool,
+) -> LMCacheServer:
     shm_name = f"kvferry_lmcache_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     argv = [
         sys.executable, "-m", "lmcache.v1.multiprocess.server",
@@ -128,11 +166,13 @@ def start_lmcache_server(
         *extra_args,
     ]  # fmt: skip
     log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - owned below
+    log_start = log.tell() if log is not None else 0
     proc = subprocess.Popen(
         argv,
         stdout=log if log is not None else subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        env=_server_env(),
     )
     server = LMCacheServer(port, chunk_size, proc, shm_name, log_path, argv, log)
     try:
@@ -141,19 +181,39 @@ def start_lmcache_server(
             if not server.alive():
                 raise RuntimeError(
                     f"the LMCache server exited with {proc.returncode} before answering"
-                    + (f"; see {log_path}" if log_path is not None else "")
+                    + _log_tail(log_path, log_start)
                 )
             try:
                 wait_answering(server.url, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
                 return server
             except TimeoutError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
+                    raise _Silent(
                         f"the LMCache server on {server.url} did not answer within {timeout}s"
+                        + _log_tail(log_path, log_start)
                     ) from None
     except BaseException:
         server.stop()
         raise
+
+
+def _server_env() -> dict[str, str]:
+    # LMCache reports usage to its own web service by default; a test or demo server sends
+    # nothing off the machine (and does not wait on a lookup that cannot succeed offline).
+    return {**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+
+
+def _log_tail(log_path: Path | None, start: int, lines: int = 15) -> str:
+    if log_path is None:
+        return ""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return f"; see {log_path}"
+    tail = "\n".join(text.splitlines()[-lines:])
+    return f"; see {log_path}, which ends:\n{tail}" if tail else f"; {log_path} is empty"
 
 
 @contextlib.contextmanager
