@@ -184,6 +184,11 @@ def _launch(
                     + _log_tail(log_path, log_start)
                 )
             try:
+                # A request sent before the server listens would reach it later, from a client
+                # already gone: ask only once the port takes connections.
+                if not _listening(port):
+                    time.sleep(0.1)
+                    raise TimeoutError
                 wait_answering(server.url, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
                 return server
             except TimeoutError:
@@ -195,6 +200,14 @@ def _launch(
     except BaseException:
         server.stop()
         raise
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _server_env() -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -82,3 +83,27 @@ def test_a_second_launch_that_answers_is_kept(tmp_path: Path, monkeypatch, caplo
         lmcache_server_mod.wait_answering(server.url, timeout=10)
     finally:
         server.kill()
+
+
+def test_no_request_is_sent_before_the_server_listens(tmp_path: Path, monkeypatch) -> None:
+    """A request queued before the server binds would reach it later from a client that has
+    timed out and gone (LMCache then logs a failed reply): the start-up probe asks only once
+    the port takes connections."""
+    real_wait = lmcache_server_mod.wait_answering
+    listening: list[bool] = []
+
+    def probe(url: str, timeout: float) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            listening.append(True)
+        except OSError:
+            listening.append(False)
+        real_wait(url, timeout)
+
+    monkeypatch.setattr(lmcache_server_mod, "wait_answering", probe)
+    server = lmcache_server_mod.start_lmcache_server(
+        chunk_size=CHUNK, l1_size_gb=0.1, log_path=tmp_path / "lmcache.log"
+    )
+    server.kill()
+    assert listening and all(listening)
