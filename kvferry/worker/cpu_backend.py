@@ -186,7 +186,7 @@ def packed_max_rows(features: CPUFeatures, dtype: torch.dtype = torch.float32) -
     F32_INTEL_DENSE_MIN_ROWS."""
     if dtype == torch.bfloat16 and features.amx_bf16:
         return BF16_AMX_PACKED_MAX_ROWS
-    if dtype == torch.float32 and features.isa == "avx512" and features.vendor == "GenuineIntel":
+    if dtype == torch.float32 and features.isa == "avx512" and features.intel:
         return F32_INTEL_DENSE_MIN_ROWS - 1
     return None if features.isa in ("avx512", "avx2") else PACKED_MAX_ROWS
 
@@ -393,7 +393,7 @@ class CPUBackend:
                 small, rows = load_f32_linear("avx2"), F32_KERNEL_MAX_ROWS
             elif dtype == torch.float32 and self.features.isa == "avx512":
                 self.panel_linear = load_f32_panel_linear()
-                if self.features.vendor == "GenuineIntel" or self.panel_linear is None:
+                if self.features.intel or self.panel_linear is None:
                     small, rows = load_f32_linear("avx512"), F32_KERNEL_MAX_ROWS_AVX512
             if small is not None:
                 self.small_steps = small, rows

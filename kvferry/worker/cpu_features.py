@@ -71,6 +71,12 @@ class CPUFeatures:
         return self.isa == "avx512" and {"amx_tile", "amx_bf16"} <= self.flags
 
     @property
+    def intel(self) -> bool:
+        """Whether the vendor is Intel (MKL's best kernels, and the dense-weight fp32 kernel
+        for small steps, are chosen there)."""
+        return self.vendor == "GenuineIntel"
+
+    @property
     def cpu_isa(self) -> ISA:
         """The CPU's own level, whatever the cap."""
         return _level(self.flags)
