@@ -207,7 +207,7 @@ def test_every_fp32_path_gives_the_same_tokens(
         dense = f"c-f32-avx512<={cpu_backend.F32_KERNEL_MAX_ROWS_AVX512}rows,"
         panels = f"c-f32-panels<={cpu_backend.F32_PANEL_MAX_ROWS}rows,"
         # The dense-weight kernel serves 1-2-row steps in front of the panels on Intel only.
-        ahead = dense if own.vendor == "GenuineIntel" else ""
+        ahead = dense if own.intel else ""
         cases.append(("avx512", True, True, ahead + panels + onednn))
         cases.append(("avx512", False, True, panels + onednn))
         cases.append(("avx512", True, False, dense + onednn))

@@ -14,6 +14,7 @@ documents and points the connector at it (``lmcache.mp.host`` / ``lmcache.mp.por
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -122,22 +123,24 @@ def start_lmcache_server(
     silent for ``timeout`` seconds is stopped and started again, ``attempts`` launches in
     all; one that exits is not retried. Errors carry the tail of the server's log."""
     lmcache_api()  # a clear ConfigError when LMCache is not installed
-    for attempt in range(1, attempts + 1):
+    launch = functools.partial(
+        _launch,
+        chunk_size=chunk_size,
+        l1_size_gb=l1_size_gb,
+        log_path=log_path,
+        extra_args=extra_args,
+        timeout=timeout,
+        shared_memory=shared_memory,
+    )
+    for attempt in range(1, attempts):
         try:
-            return _launch(
-                chunk_size=chunk_size,
-                l1_size_gb=l1_size_gb,
-                port=free_port() if port is None else port,
-                log_path=log_path,
-                extra_args=extra_args,
-                timeout=timeout,
-                shared_memory=shared_memory,
-            )
+            return launch(port=free_port() if port is None else port)
         except _Silent as e:
-            if attempt == attempts:
-                raise RuntimeError(str(e)) from None
             logger.warning("%s; starting it again (launch %d of %d)", e, attempt + 1, attempts)
-    raise AssertionError("unreachable")
+    try:
+        return launch(port=free_port() if port is None else port)
+    except _Silent as e:
+        raise RuntimeError(str(e)) from None
 
 
 class _Silent(Exception):
@@ -183,20 +186,20 @@ def _launch(
                     f"the LMCache server exited with {proc.returncode} before answering"
                     + _log_tail(log_path, log_start)
                 )
-            try:
-                # A request sent before the server listens would reach it later, from a client
-                # already gone: ask only once the port takes connections.
-                if not _listening(port):
-                    time.sleep(0.1)
-                    raise TimeoutError
-                wait_answering(server.url, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-                return server
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise _Silent(
-                        f"the LMCache server on {server.url} did not answer within {timeout}s"
-                        + _log_tail(log_path, log_start)
-                    ) from None
+            # A request sent before the server listens would reach it later, from a client
+            # already gone: ask only once the port takes connections.
+            if _listening(port):
+                with contextlib.suppress(TimeoutError):
+                    left = deadline - time.monotonic()
+                    wait_answering(server.url, timeout=min(2.0, max(0.1, left)))
+                    return server
+            else:
+                time.sleep(0.1)
+            if time.monotonic() > deadline:
+                raise _Silent(
+                    f"the LMCache server on {server.url} did not answer within {timeout}s"
+                    + _log_tail(log_path, log_start)
+                )
     except BaseException:
         server.stop()
         raise
