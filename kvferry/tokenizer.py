@@ -90,21 +90,27 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas.
 
-    Decodes the whole output each time (cheap in Rust for the lengths served here) and holds
-    back a trailing replacement character, which means a multi-byte character is incomplete.
+    Each step decodes only a short window: the tokens since the last emitted text plus the
+    ones just before them (``_prefix``), whose own text is subtracted. The context token keeps
+    decoders that treat a sequence's first token specially (SentencePiece's leading space)
+    from changing the delta, so the deltas add up to decoding the whole output at once, in
+    time independent of its length. A delta ending in a replacement character means an
+    incomplete multi-byte character; it is held back until the character's last token arrives.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self.token_ids: list[int] = []
-        self.text = ""
+        self._prefix = 0  # first token of the decoded window
+        self._read = 0  # first token whose text has not been emitted
 
     def add(self, new_token_ids: list[int]) -> str:
         self.token_ids.extend(new_token_ids)
-        full = self._tokenizer.decode(self.token_ids, self._skip)
-        if full.endswith("\ufffd"):
+        decode = self._tokenizer.decode
+        prefix_text = decode(self.token_ids[self._prefix : self._read], self._skip)
+        window_text = decode(self.token_ids[self._prefix :], self._skip)
+        if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text) :] if full.startswith(self.text) else full
-        self.text = full
-        return delta
+        self._prefix, self._read = self._read, len(self.token_ids)
+        return window_text[len(prefix_text) :]
