@@ -205,7 +205,10 @@ def vllm_version(python: str) -> str | None:
     return r.stdout.strip() or None
 
 
-def report(doc: dict[str, Any], write_docs: bool, quick: bool) -> str:
+def report(doc: dict[str, Any], write_docs: bool, quick: bool, out: Path | None = None) -> str:
+    """The Markdown report of ``doc``; with ``write_docs`` also written into the page, plots
+    in ``docs/img``. Otherwise the plots go beside ``out`` (the results file), named after it,
+    so that one run's plots do not overwrite another's."""
     agg = aggregate(doc["runs"])
     m = doc["machine"]
     s = doc["settings"]
@@ -261,9 +264,12 @@ def report(doc: dict[str, Any], write_docs: bool, quick: bool) -> str:
         parts += ["", f"#### `{model}` {dtype}", "", line, ""]
         parts.append(model_table(agg, model, dtype))
         suffix = "_quick" if quick else ""
-        # Smoke runs without --docs keep their plots out of the docs tree.
-        img_dir = IMG_DIR if write_docs else RESULTS_DIR
-        plot = plot_model(img_dir / f"serving_{model}_{dtype}{suffix}.png", agg, model, dtype)
+        if write_docs:
+            path = IMG_DIR / f"serving_{model}_{dtype}{suffix}.png"
+        else:
+            base = out or RESULTS_DIR / "serving.json"
+            path = base.parent / f"{base.stem}_{model}_{dtype}{suffix}.png"
+        plot = plot_model(path, agg, model, dtype)
         if plot is not None:
             parts += ["", f"![serving {model} {dtype}](img/{plot.name})"]
     summary = target_summary(agg)
@@ -430,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, doc)
         return 3
     write_json(args.out, doc)
-    print(report(doc, args.docs, args.quick))
+    print(report(doc, args.docs, args.quick, Path(args.out)))
     log(f"[serving] results: {args.out}, vLLM result files: {args.raw_dir}")
     return 0
 

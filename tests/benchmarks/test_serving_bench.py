@@ -201,3 +201,44 @@ def test_rates_scale_with_compute_per_request() -> None:
     long = plan_runs("mid", Workload("r", "random", 2048, 64), args)
     assert short == [(0.5, 32), (math.inf, 32)]
     assert long[0][0] < 0.2 and long[0][1] < 32 and math.isinf(long[1][0])
+
+
+def test_report_without_docs_plots_beside_its_results_file(tmp_path: Path) -> None:
+    from benchmarks.serving import report
+
+    runs = [
+        {
+            "model": "m",
+            "dtype": "float32",
+            "workload": "random-512",
+            "rate": rate,
+            "backend": b,
+            "summary": summarize(_result()),
+            "other_cpu_frac": 0.0,
+        }
+        for rate in (0.5, math.inf)
+        for b in ("kvferry", "vllm")
+    ]
+    doc = {
+        "command": "serving.py",
+        "date": "2026-12-07 21:00",
+        "machine": {"cpu_model": "cpu", "cpu_count": 2, "isa": ["avx2"]},
+        "settings": {
+            "rounds": 1,
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 2048,
+            "kv_gib": 1,
+            "threads": 2,
+            "vllm_mp": False,
+        },
+        "runs": runs,
+        "launches": [],
+    }
+    for name in ("first", "second"):
+        text = report(doc, write_docs=False, quick=False, out=tmp_path / f"{name}.json")
+        assert "#### `m` float32" in text
+    # two runs, two plots: the second did not overwrite the first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "first_m_float32.png",
+        "second_m_float32.png",
+    ]
