@@ -152,10 +152,12 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     # Set by a device backend whose GEMMs slow down at some row counts: a step of at least
-    # ``pad_min_rows`` tokens runs its layers on zero rows appended up to a multiple of
-    # ``row_multiple`` (the tokens' own rows are computed as without them).
+    # ``pad_min_rows`` tokens (and at most ``pad_max_rows``, None: any) runs its layers on
+    # zero rows appended up to a multiple of ``row_multiple`` (the tokens' own rows are
+    # computed as without them).
     row_multiple: int | None = None
     pad_min_rows: int = 0
+    pad_max_rows: int | None = None
 
     def __init__(self, cfg: ArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -180,7 +182,7 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         n, multiple = x.shape[0], self.row_multiple
-        if multiple and n >= self.pad_min_rows and n % multiple:
+        if multiple and n % multiple and self.pad_min_rows <= n <= (self.pad_max_rows or n):
             x = F.pad(x, (0, 0, 0, multiple - n % multiple))
         residual: torch.Tensor | None = None
         capture = active_hidden_states_capture()

@@ -121,11 +121,13 @@ BF16_DOT_MAX_ROWS = 1
 # on (prefill), where the packed plans of some shapes run at 0.5-0.65x (the 0.6B o_proj at
 # 512-576 rows; Intel Xeon with AMX), so the packed copy serves steps up to here.
 BF16_AMX_PACKED_MAX_ROWS = 383
-# fp32 on an Intel CPU at the AVX-512 level: from this many rows on (long prefill steps, MLP
-# passes of 1,024 rows) MKL's GEMM on the dense weight (F.linear), which takes its AVX-512
-# kernels on Intel CPUs only, runs 1-6% ahead of oneDNN's packed one; below it they are level
-# or oneDNN leads (Intel Xeon with AMX, docs/benchmarks.md).
-F32_INTEL_DENSE_MIN_ROWS = 1024
+# fp32 on an Intel CPU at the AVX-512 level: from this many rows on (a prompt's step with
+# decode rows beside it, long prefill steps, MLP passes of 1,024 rows) MKL's GEMM on the dense
+# weight (F.linear), which takes its AVX-512 kernels on Intel CPUs only, runs unpadded 2-6%
+# ahead of oneDNN's packed one on rows padded to a multiple of 8; at 300-512 rows they are
+# level, below 256 oneDNN leads (Intel Xeon with AMX, docs/benchmarks.md). Steps of at most
+# 512 rows keep the padding (DecoderModel.pad_max_rows).
+F32_INTEL_DENSE_MIN_ROWS = 513
 # oneDNN's fp32 AVX-512 GEMM runs some row counts of a prefill step up to 1.4x slower per
 # row than the nearest multiple of 8 (e.g. 259, 517 or 533 rows; none below 256 on the Intel
 # Xeon with AMX), so such steps run their layers on zero rows appended up to a multiple of 8
@@ -432,7 +434,11 @@ class CPUBackend:
         if self.dtype == torch.float32 and self.features.isa == "avx512":
             model.model.row_multiple = F32_ROW_MULTIPLE
             model.model.pad_min_rows = F32_PAD_MIN_ROWS
-            self.paths.update(row_pad=f"{F32_ROW_MULTIPLE}>={F32_PAD_MIN_ROWS}rows")
+            row_pad = f"{F32_ROW_MULTIPLE}>={F32_PAD_MIN_ROWS}rows"
+            if self.features.intel:
+                model.model.pad_max_rows = F32_INTEL_DENSE_MIN_ROWS - 1
+                row_pad += f"<={F32_INTEL_DENSE_MIN_ROWS - 1}rows"
+            self.paths.update(row_pad=row_pad)
         elif self.dtype == torch.bfloat16 and self.native_half and self.features.amx_bf16:
             model.model.row_multiple = BF16_AMX_ROW_MULTIPLE
             model.model.pad_min_rows = BF16_AMX_MAX_ROWS + 1

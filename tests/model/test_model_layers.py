@@ -122,7 +122,7 @@ def test_packed_weight_serves_every_step_from_avx2_up() -> None:
     bf16 = cpu_backend.packed_max_rows(amx, torch.bfloat16)
     assert bf16 == cpu_backend.BF16_AMX_PACKED_MAX_ROWS
     assert cpu_backend.packed_max_rows(features("avx512"), torch.bfloat16) is None
-    # fp32 on Intel at the AVX-512 level: MKL's GEMM on the dense weight from 1,024 rows on.
+    # fp32 on Intel at the AVX-512 level: MKL's GEMM on the dense weight from 513 rows on.
     for vendor, isa, dtype, want in [
         ("GenuineIntel", "avx512", torch.float32, cpu_backend.F32_INTEL_DENSE_MIN_ROWS - 1),
         ("GenuineIntel", "avx2", torch.float32, None),

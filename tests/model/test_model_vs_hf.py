@@ -295,6 +295,20 @@ def test_padded_rows_leave_the_tokens_rows_alone(checkpoint: Callable[[str], Pat
         torch.testing.assert_close(capture.states[i], plain_capture.states[i])
     for name in model.layer_names:
         torch.testing.assert_close(padded.kv_caches[name], plain.kv_caches[name])
+    # Above pad_max_rows a step runs on its own rows only.
+    model.model.row_multiple, model.model.pad_min_rows, model.model.pad_max_rows = 8, 0, 46
+    rows_seen.clear()
+    hook = model.model.layers[0].self_attn.qkv_proj.register_forward_pre_hook(
+        lambda _module, args: rows_seen.append(args[0].shape[0])
+    )
+    try:
+        bounded = mixed_runner(model).hidden(MIXED_STEP)
+    finally:
+        model.model.row_multiple, model.model.pad_min_rows = backend
+        model.model.pad_max_rows = None
+        hook.remove()
+    assert rows_seen == [81, 47], rows_seen
+    torch.testing.assert_close(bounded, want, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_groups_of_very_different_lengths(checkpoint: Callable[[str], Path]) -> None:

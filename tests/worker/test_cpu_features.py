@@ -109,3 +109,29 @@ def test_start_up_line_names_features_and_paths(
     keys = ("cpu_model", "cpu_flags", "isa", "native_bf16", "linear", "logits", "argmax", "malloc")
     for key in keys:
         assert key in facts and f"{key}=" in lines[0]
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_fp32_row_padding_at_the_avx512_level_by_vendor(tiny_model_factory, vendor: str) -> None:
+    """fp32 at the AVX-512 level pads steps from 256 rows to a multiple of 8; on Intel only up
+    to the rows oneDNN serves, since MKL's GEMM takes longer steps unpadded."""
+    from kvferry.config import ModelConfig
+    from kvferry.model.loader import load_model
+    from kvferry.worker import cpu_backend
+
+    model = load_model(
+        ModelConfig(str(tiny_model_factory("llama")), dtype="float32"), torch.device("cpu")
+    )
+    cpu = cf.CPUFeatures(model="x", flags=frozenset({"avx512f"}), isa="avx512", vendor=vendor)
+    backend = CPUBackend(torch.float32, native_kernels=False, features=cpu)
+    backend.prepare_model(model)
+    assert model.model.row_multiple == cpu_backend.F32_ROW_MULTIPLE
+    assert model.model.pad_min_rows == cpu_backend.F32_PAD_MIN_ROWS
+    if vendor == "GenuineIntel":
+        dense = cpu_backend.F32_INTEL_DENSE_MIN_ROWS
+        assert model.model.pad_max_rows == dense - 1 == cpu_backend.packed_max_rows(cpu)
+        assert (dense - 1) % cpu_backend.F32_ROW_MULTIPLE == 0  # padded steps stay on oneDNN
+        assert backend.describe()["row_pad"].endswith(f"<={dense - 1}rows")
+    else:
+        assert model.model.pad_max_rows is None
+        assert cpu_backend.packed_max_rows(cpu) is None
