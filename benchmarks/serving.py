@@ -205,7 +205,7 @@ def vllm_version(python: str) -> str | None:
     return r.stdout.strip() or None
 
 
-def report(doc: dict[str, Any], write_docs: bool, quick: bool, out: Path | None = None) -> str:
+def report(doc: dict[str, Any], write_docs: bool, quick: bool, out: Path) -> str:
     """The Markdown report of ``doc``; with ``write_docs`` also written into the page, plots
     in ``docs/img``. Otherwise the plots go beside ``out`` (the results file), named after it,
     so that one run's plots do not overwrite another's."""
@@ -267,8 +267,7 @@ def report(doc: dict[str, Any], write_docs: bool, quick: bool, out: Path | None 
         if write_docs:
             path = IMG_DIR / f"serving_{model}_{dtype}{suffix}.png"
         else:
-            base = out or RESULTS_DIR / "serving.json"
-            path = base.parent / f"{base.stem}_{model}_{dtype}{suffix}.png"
+            path = out.parent / f"{out.stem}_{model}_{dtype}{suffix}.png"
         plot = plot_model(path, agg, model, dtype)
         if plot is not None:
             parts += ["", f"![serving {model} {dtype}](img/{plot.name})"]

@@ -182,7 +182,8 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         n, multiple = x.shape[0], self.row_multiple
-        if multiple and n % multiple and self.pad_min_rows <= n <= (self.pad_max_rows or n):
+        top = self.pad_max_rows
+        if multiple and n % multiple and n >= self.pad_min_rows and (top is None or n <= top):
             x = F.pad(x, (0, 0, 0, multiple - n % multiple))
         residual: torch.Tensor | None = None
         capture = active_hidden_states_capture()

@@ -434,11 +434,10 @@ class CPUBackend:
         if self.dtype == torch.float32 and self.features.isa == "avx512":
             model.model.row_multiple = F32_ROW_MULTIPLE
             model.model.pad_min_rows = F32_PAD_MIN_ROWS
+            # Only oneDNN's GEMM needs the padding: MKL's, where it takes over, runs unpadded.
+            pad_max = model.model.pad_max_rows = packed_max_rows(self.features, self.dtype)
             row_pad = f"{F32_ROW_MULTIPLE}>={F32_PAD_MIN_ROWS}rows"
-            if self.features.intel:
-                model.model.pad_max_rows = F32_INTEL_DENSE_MIN_ROWS - 1
-                row_pad += f"<={F32_INTEL_DENSE_MIN_ROWS - 1}rows"
-            self.paths.update(row_pad=row_pad)
+            self.paths.update(row_pad=row_pad + (f"<={pad_max}rows" if pad_max is not None else ""))
         elif self.dtype == torch.bfloat16 and self.native_half and self.features.amx_bf16:
             model.model.row_multiple = BF16_AMX_ROW_MULTIPLE
             model.model.pad_min_rows = BF16_AMX_MAX_ROWS + 1
