@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     limits = [int(v) for v in args.max_rows.split(",")]
 
     from kvferry import LLM
-    from kvferry.worker.cpu_backend import PanelStepsLinear, SmallStepsLinear
+    from kvferry.worker.cpu_backend import PackedStepsLinear, SmallStepsLinear
 
     folder = Path(args.model) if Path(args.model).is_dir() else bench_model(args.model)
     llm = LLM(model=str(folder), dtype=args.dtype, max_model_len=2048)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         while h is not None:
             chain.append(h)
             h = getattr(h, "rest", None)
-    kind = PanelStepsLinear if args.kernel == "panels" else SmallStepsLinear
+    kind = PackedStepsLinear if args.kernel == "panels" else SmallStepsLinear
     small = [h for h in chain if isinstance(h, kind)]
     if not small:
         sys.exit(

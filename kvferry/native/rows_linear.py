@@ -5,12 +5,23 @@ so, threads)`` and ``kvf_<name>_variants()``, the bit mask of the variants in th
 from __future__ import annotations
 
 import ctypes
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from kvferry.native.build import load_library
 from kvferry.native.variants import VariantChoice
+
+# The arguments every linear kernel's entry point ends with (see call_linear).
+LINEAR_TAIL_ARGTYPES: list[type] = [
+    ctypes.c_void_p,  # bias or NULL
+    ctypes.c_int64,  # M (rows of x)
+    ctypes.c_int64,  # N (outputs)
+    ctypes.c_int64,  # K (inputs)
+    ctypes.c_void_p,  # out
+    ctypes.c_int64,  # out row stride
+    ctypes.c_int,  # threads
+]
 
 
 class RowsLinearKernel(VariantChoice):
@@ -33,13 +44,7 @@ class RowsLinearKernel(VariantChoice):
             ctypes.c_int64,  # x row stride (elements)
             ctypes.c_void_p,  # weight
             ctypes.c_int64,  # weight row stride
-            ctypes.c_void_p,  # bias or NULL
-            ctypes.c_int64,  # M (rows of x)
-            ctypes.c_int64,  # N (outputs)
-            ctypes.c_int64,  # K (inputs)
-            ctypes.c_void_p,  # out
-            ctypes.c_int64,  # out row stride
-            ctypes.c_int,  # threads
+            *LINEAR_TAIL_ARGTYPES,
         ]
         self._fn.restype = ctypes.c_int
         self._choose_variant(lib, self.NAME, variant)
@@ -63,30 +68,55 @@ class RowsLinearKernel(VariantChoice):
     ) -> torch.Tensor:
         """``x``: ``[M, K]``, ``weight``: ``[N, K]``, ``bias``: ``[N]`` or None (see
         :meth:`supports`); returns a new ``[M, N]`` tensor of :attr:`DTYPE`."""
-        m, k = x.shape
-        n = weight.shape[0]
-        if bias is not None:
-            bias = bias.to(self.DTYPE).contiguous()
-        out = torch.empty(m, n, dtype=self.DTYPE)
-        rc = self._fn(
-            self._code,
-            x.data_ptr(),
-            x.stride(0),
-            weight.data_ptr(),
-            weight.stride(0),
-            None if bias is None else bias.data_ptr(),
-            m,
-            n,
-            k,
-            out.data_ptr(),
-            n,
-            torch.get_num_threads(),
+        return call_linear(
+            self._fn,
+            self.NAME,
+            self.DTYPE,
+            (self._code,),
+            x,
+            (weight.data_ptr(), weight.stride(0)),
+            bias,
+            weight.shape[0],
+            f"variant {self.variant!r} failed",
         )
-        if rc == -2:
-            raise MemoryError(f"{self.NAME}: could not allocate scratch memory")
-        if rc != 0:
-            raise RuntimeError(f"{self.NAME} variant {self.variant!r} failed (rc={rc})")
-        return out
+
+
+def call_linear(
+    fn: Any,
+    name: str,
+    dtype: torch.dtype,
+    lead: tuple[int, ...],
+    x: torch.Tensor,
+    weight: tuple[int, ...],
+    bias: torch.Tensor | None,
+    n: int,
+    refused: str,
+) -> torch.Tensor:
+    """A linear kernel's C entry point ``fn(*lead, x, sx, *weight, bias, M, n, K, out, so,
+    threads)`` into a new ``[M, n]`` tensor of ``dtype``: -2 raises MemoryError, any other
+    code but 0 RuntimeError (``refused`` says why)."""
+    m, k = x.shape
+    if bias is not None:
+        bias = bias.to(dtype).contiguous()
+    out = torch.empty(m, n, dtype=dtype)
+    rc = fn(
+        *lead,
+        x.data_ptr(),
+        x.stride(0),
+        *weight,
+        None if bias is None else bias.data_ptr(),
+        m,
+        n,
+        k,
+        out.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise MemoryError(f"{name}: could not allocate scratch memory")
+    if rc != 0:
+        raise RuntimeError(f"{name}: {refused} (rc={rc})")
+    return out
 
 
 K = TypeVar("K", bound=RowsLinearKernel)

@@ -21,14 +21,18 @@ Which path serves what (all on CPU):
   on them, where oneDNN does one after the other). Where torch has no oneDNN the weight
   becomes input-major instead. Fused norm, rotary and SiLU-and-mul kernels serve the
   elementwise steps. On AVX-512, steps of :data:`F32_PAD_MIN_ROWS` rows or more run on rows
-  padded to a multiple of :data:`F32_ROW_MULTIPLE` (bf16 on AMX: steps past
-  :data:`BF16_AMX_MAX_ROWS` rows, to a multiple of :data:`BF16_AMX_ROW_MULTIPLE`).
-* bf16 with native bf16 GEMMs (AVX512_BF16, AMX): as fp32, a oneDNN-packed bf16 copy of each
-  weight for the larger steps (with AMX up to :data:`BF16_AMX_PACKED_MAX_ROWS` rows, the
-  plain weight beyond). With AMX, steps of at most :data:`BF16_AMX_MAX_ROWS` rows
-  (decode, the logits) run the C kernel's AMX variant on the dense bf16 weight; with
-  AVX512_BF16 but no AMX, steps of at most :data:`BF16_DOT_MAX_ROWS` rows (a lone decode) run
-  its AVX512-BF16 variant.
+  padded to a multiple of :data:`F32_ROW_MULTIPLE` (bf16 on AMX: steps past the small-step
+  kernel's rows, to a multiple of :data:`BF16_AMX_ROW_MULTIPLE`).
+* bf16 on AMX: steps of fewer than :data:`BF16_AMX_GEMM_MIN_ROWS` rows (decode, the logits,
+  short prompts) run the C kernel's AMX variant on the dense bf16 weight, steps of up to
+  :data:`BF16_AMX_GEMM_MAX_ROWS` rows (a prompt of a few hundred tokens) the AMX GEMM kernel
+  on its own packed copy of the weight, larger ones oneDNN's GEMM on the dense weight. A layer
+  whose sizes the GEMM kernel does not take, or a build without it, keeps the scheme below:
+  oneDNN's packed copy up to :data:`BF16_AMX_PACKED_MAX_ROWS` rows, the C kernel up to
+  :data:`BF16_AMX_MAX_ROWS`.
+* bf16 with native bf16 GEMMs (AVX512_BF16): as fp32, a oneDNN-packed bf16 copy of each
+  weight; steps of at most :data:`BF16_DOT_MAX_ROWS` rows (a lone decode) run the C kernel's
+  AVX512-BF16 variant on the dense weight.
 * bf16 without them (e.g. AVX2 only, or ``KVFERRY_CPU_ISA=avx2``): steps of at most
   :data:`BF16_KERNEL_MAX_ROWS` rows, the logits included, run the C kernel that reads the bf16
   weights as they are and widens them in registers (the variant of the CPU's level); larger
@@ -61,11 +65,13 @@ from kvferry.model.attention_workspace import AttentionWorkspace
 from kvferry.model.layers import GatedMLP, Linear, LinearKernel, RMSNorm
 from kvferry.model.llama import CausalLM, DecoderAttention
 from kvferry.native.argmax import ArgmaxKernel, load_argmax
+from kvferry.native.bf16_amx_gemm import BF16AMXGemmKernel, load_bf16_amx_gemm
 from kvferry.native.bf16_linear import BF16LinearKernel, load_bf16_linear
 from kvferry.native.f32_linear import load_f32_linear
 from kvferry.native.f32_panel_linear import F32PanelLinearKernel, load_f32_panel_linear
 from kvferry.native.fused_ops import FusedOps, load_fused_ops
 from kvferry.native.kv_write import KVWriteKernel, load_kv_write
+from kvferry.native.packed_linear import PackedLinearKernel
 from kvferry.native.paged_decode import PagedDecodeKernel, load_paged_decode
 from kvferry.native.paged_prefill import (
     PagedPrefillKernel,
@@ -121,6 +127,17 @@ BF16_DOT_MAX_ROWS = 1
 # on (prefill), where the packed plans of some shapes run at 0.5-0.65x (the 0.6B o_proj at
 # 512-576 rows; Intel Xeon with AMX), so the packed copy serves steps up to here.
 BF16_AMX_PACKED_MAX_ROWS = 383
+# bf16 on AMX: up to this many rows the AMX GEMM kernel on its own packed copy of the weight
+# (csrc/bf16_amx_gemm.c) serves the steps past the small-step kernel's rows, in place of
+# oneDNN's packed copy (so the weights still take two copies); oneDNN's GEMM on the plain
+# weight serves the larger ones. Over the 0.6B layers' four shapes, weights from memory, the
+# kernel runs 1.1-1.25x oneDNN's best at 300-530 rows, level at 640, 0.95x at 768; below 256
+# rows it trails oneDNN's packed GEMM (0.8x at 144, 0.97x at 256; Intel Xeon with AMX,
+# docs/benchmarks.md).
+BF16_AMX_GEMM_MAX_ROWS = 640
+# ... and from this many rows on: below, the small-step AMX kernel on the dense weight runs
+# ahead of it (1.1-1.2x at 144-160 rows, 1.07x at 192; the GEMM leads from 224).
+BF16_AMX_GEMM_MIN_ROWS = 193
 # fp32 on an Intel CPU at the AVX-512 level: from this many rows on (a prompt's step with
 # decode rows beside it, long prefill steps, MLP passes of 1,024 rows) MKL's GEMM on the dense
 # weight (F.linear), which takes its AVX-512 kernels on Intel CPUs only, runs unpadded 2-6%
@@ -301,20 +318,21 @@ class SmallStepsLinear:
         return self.rest(x, weight, bias)
 
 
-class PanelStepsLinear:
-    """A ``Linear.kernel``: the fp32 panel kernel on its own copy of the weight (``panels``,
-    of ``n`` outputs) for 2-D steps of at most ``max_rows`` rows, ``rest`` for the others."""
+class PackedStepsLinear:
+    """A ``Linear.kernel``: a C kernel on its own copy of the weight (``packed``, of ``n``
+    outputs: the fp32 panel kernel's panels, or the bf16 AMX kernel's tiles) for 2-D steps of
+    at most ``max_rows`` rows, ``rest`` for the others."""
 
     def __init__(
         self,
-        kernel: F32PanelLinearKernel,
-        panels: torch.Tensor,
+        kernel: PackedLinearKernel,
+        packed: torch.Tensor,
         n: int,
         max_rows: int,
         rest: LinearKernel,
     ) -> None:
         self.kernel = kernel
-        self.panels = panels
+        self.packed = packed
         self.n = n
         self.max_rows = max_rows
         self.rest = rest
@@ -327,7 +345,7 @@ class PanelStepsLinear:
             and x.shape[0] <= self.max_rows
             and self.kernel.supports(x, weight.shape[1])
         ):
-            return self.kernel(x, self.panels, self.n, bias)
+            return self.kernel(x, self.packed, self.n, bias)
         return self.rest(x, weight, bias)
 
 
@@ -365,6 +383,8 @@ class CPUBackend:
         self.small_steps: tuple[RowsLinearKernel, int] | None = None
         # fp32 on AVX-512: the panel kernel in front of them instead.
         self.panel_linear: F32PanelLinearKernel | None = None
+        # bf16 on AMX: the GEMM kernel for the larger steps, on its copy instead of oneDNN's.
+        self.amx_gemm: BF16AMXGemmKernel | None = None
         if dtype == torch.bfloat16:
             self.native_half = self.features.native_bf16
         else:
@@ -388,7 +408,9 @@ class CPUBackend:
             if dtype == torch.bfloat16 and not self.native_half:
                 self.bf16_linear = load_bf16_linear(self.features.isa)
             elif dtype == torch.bfloat16 and amx is not None:
-                small, rows = amx, BF16_AMX_MAX_ROWS
+                self.amx_gemm = load_bf16_amx_gemm()
+                small = amx
+                rows = BF16_AMX_MAX_ROWS if self.amx_gemm is None else BF16_AMX_GEMM_MIN_ROWS - 1
             elif dtype == torch.bfloat16 and self.features.bf16_dot:
                 small, rows = load_bf16_linear("avx512bf16"), BF16_DOT_MAX_ROWS
             elif dtype == torch.float32 and self.features.isa == "avx2":
@@ -439,9 +461,10 @@ class CPUBackend:
             row_pad = f"{F32_ROW_MULTIPLE}>={F32_PAD_MIN_ROWS}rows"
             self.paths.update(row_pad=row_pad + (f"<={pad_max}rows" if pad_max is not None else ""))
         elif self.dtype == torch.bfloat16 and self.native_half and self.features.amx_bf16:
+            pad_min = BF16_AMX_MAX_ROWS + 1 if self.amx_gemm is None else BF16_AMX_GEMM_MIN_ROWS
             model.model.row_multiple = BF16_AMX_ROW_MULTIPLE
-            model.model.pad_min_rows = BF16_AMX_MAX_ROWS + 1
-            self.paths.update(row_pad=f"{BF16_AMX_ROW_MULTIPLE}>={BF16_AMX_MAX_ROWS + 1}rows")
+            model.model.pad_min_rows = pad_min
+            self.paths.update(row_pad=f"{BF16_AMX_ROW_MULTIPLE}>={pad_min}rows")
         for module in model.modules():
             if isinstance(module, (RMSNorm, GatedMLP, DecoderAttention)):
                 module.fused = self.fused_ops
@@ -484,29 +507,53 @@ class CPUBackend:
         rows = packed_max_rows(self.features, self.dtype)
         scope = "all-rows" if rows is None else f"<={rows}rows,torch"
         self.paths.update(linear=f"onednn-{_name(self.dtype)}-packed{scope}")
+        gemm = self.amx_gemm
+        onednn = False  # whether some layer took oneDNN's packed copy
         for module in model.modules():
-            if isinstance(module, Linear):
-                packed = pack_weight(module.weight.data)
-                if packed is None:
-                    if self.dtype == torch.float32:
-                        module.weight.data = input_major(module.weight.data)
-                    layout = "input-major" if self.dtype == torch.float32 else _name(self.dtype)
-                    self.paths.update(linear=f"torch-{layout}")
-                else:
-                    module.kernel = self._small_steps(
-                        CPULinear(packed, max_rows=rows), module.weight
-                    )
+            if not isinstance(module, Linear):
+                continue
+            weight = module.weight
+            if gemm is not None and gemm.packs(weight.data):
+                module.kernel = self._small_steps(
+                    PackedStepsLinear(
+                        gemm,
+                        gemm.pack(weight.data),
+                        weight.shape[0],
+                        BF16_AMX_GEMM_MAX_ROWS,
+                        CPULinear(None),
+                    ),
+                    weight,
+                )
+                continue
+            packed = pack_weight(weight.data)
+            if packed is None:
+                if self.dtype == torch.float32:
+                    module.weight.data = input_major(weight.data)
+                layout = "input-major" if self.dtype == torch.float32 else _name(self.dtype)
+                self.paths.update(linear=f"torch-{layout}")
+            else:
+                onednn = True
+                module.kernel = self._small_steps(CPULinear(packed, max_rows=rows), weight)
         if model.tie_word_embeddings:
             embed = model.model.embed_tokens.weight
-            packed = pack_weight(embed.data)
-            model.logits_kernel = (
-                None
-                if packed is None
-                else self._small_steps(CPULinear(packed, max_rows=rows), embed)
-            )
+            if gemm is not None:
+                # Steps past the small-step kernel's rows (prompt logprobs, over a hundred
+                # decodes) take the plain weight: no copy of the vocabulary-sized matrix.
+                model.logits_kernel = self._small_steps(CPULinear(None), embed)
+            else:
+                packed = pack_weight(embed.data)
+                model.logits_kernel = (
+                    None
+                    if packed is None
+                    else self._small_steps(CPULinear(packed, max_rows=rows), embed)
+                )
         else:
             model.logits_kernel = model.lm_head.kernel
-        if self.paths["linear"].startswith("onednn"):
+        if gemm is not None:
+            # Layers whose sizes are not multiples of 32 keep oneDNN's packed copy.
+            gemm_path = f"c-bf16-amx-gemm<={BF16_AMX_GEMM_MAX_ROWS}rows,torch"
+            self.paths.update(linear=gemm_path + (f"|{self.paths['linear']}" if onednn else ""))
+        if self.paths["linear"].startswith(("onednn", "c-bf16-amx-gemm")):
             name = ""
             if self.small_steps is not None:
                 kernel, rows = self.small_steps
@@ -515,17 +562,18 @@ class CPUBackend:
                 name += f"c-f32-panels<={F32_PANEL_MAX_ROWS}rows,"
             self.paths.update(linear=name + self.paths["linear"])
         self.paths.update(logits=self.paths["linear"])
+        if gemm is not None and model.tie_word_embeddings and self.small_steps is not None:
+            kernel, rows = self.small_steps
+            self.paths.update(logits=f"c-bf16-{kernel.variant}<={rows}rows,torch")
 
-    def _small_steps(
-        self, rest: CPULinear, weight: torch.Tensor
-    ) -> PanelStepsLinear | SmallStepsLinear | CPULinear:
+    def _small_steps(self, rest: LinearKernel, weight: torch.Tensor) -> LinearKernel:
         """``rest``, with the C kernels for small steps in front of it where this backend has
         them: the panel kernel (which gets its copy of ``weight`` here), and in front of that
         the dense-weight kernel."""
-        hook: PanelStepsLinear | SmallStepsLinear | CPULinear = rest
+        hook: LinearKernel = rest
         if self.panel_linear is not None:
             panels = self.panel_linear.pack(weight.data)
-            hook = PanelStepsLinear(
+            hook = PackedStepsLinear(
                 self.panel_linear, panels, weight.shape[0], F32_PANEL_MAX_ROWS, rest
             )
         if self.small_steps is None:

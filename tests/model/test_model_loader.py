@@ -15,7 +15,7 @@ from kvferry.config import ConfigError, ModelConfig
 from kvferry.model.llama import CausalLM
 from kvferry.model.loader import load_model
 from kvferry.worker import cpu_backend
-from kvferry.worker.cpu_backend import CPULinear, PanelStepsLinear, SmallStepsLinear
+from kvferry.worker.cpu_backend import CPULinear, PackedStepsLinear, SmallStepsLinear
 from kvferry.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -169,9 +169,9 @@ def test_cpu_fp32_weights_are_laid_out_for_gemms(tiny_model_factory: Callable[..
         if isinstance(hook, SmallStepsLinear):  # AVX2 or AVX-512: a C kernel for small steps
             assert cpu_backend.cpu_features().isa in ("avx2", "avx512")
             hook = hook.rest
-        if isinstance(hook, PanelStepsLinear):  # AVX-512: the panel kernel, on its own copy
+        if isinstance(hook, PackedStepsLinear):  # AVX-512: the panel kernel, on its own copy
             assert cpu_backend.cpu_features().isa == "avx512"
-            assert hook.panels.numel() >= proj.weight.numel()
+            assert hook.packed.numel() >= proj.weight.numel()
             hook = hook.rest
         assert isinstance(hook, CPULinear)
         assert hook.packed is not None and proj.weight.is_contiguous()
@@ -183,6 +183,12 @@ def test_cpu_fp32_weights_are_laid_out_for_gemms(tiny_model_factory: Callable[..
     if isinstance(hook, SmallStepsLinear) and cpu_backend.cpu_features().native_bf16:
         hook = hook.rest  # the dot-product kernel for one-row steps, in front of the packed copy
     packed = hook.packed if isinstance(hook, CPULinear) else None
+    if isinstance(hook, PackedStepsLinear):  # AMX: the GEMM kernel, on its own copy
+        assert cpu_backend.cpu_features().amx_bf16
+        assert hook.packed.dtype == torch.bfloat16
+        assert hook.packed.numel() == proj.weight.numel()
+        assert isinstance(hook.rest, CPULinear) and hook.rest.packed is None  # plain beyond
+        packed = hook.packed
     assert proj.weight.is_contiguous()  # half precision: the dense weight keeps its layout
     if not cpu_backend.cpu_features().native_bf16:
         assert packed is None  # a bf16 packed copy only serves bf16 instructions

@@ -14,7 +14,7 @@ from kvferry.native.f32_panel_linear import load_f32_panel_linear
 from kvferry.worker import cpu_backend
 from kvferry.worker.cpu_backend import (
     BF16Linear,
-    PanelStepsLinear,
+    PackedStepsLinear,
     SmallStepsLinear,
     cpu_linear,
     pack_weight,
@@ -110,7 +110,7 @@ def test_panel_hook_serves_small_2d_fp32_steps_from_its_own_copy() -> None:
     rest = Rest()
     g = torch.Generator().manual_seed(6)
     w, b = torch.randn(50, 32, generator=g), torch.randn(50, generator=g)
-    hook = PanelStepsLinear(kernel, kernel.pack(w), 50, 4, rest)
+    hook = PackedStepsLinear(kernel, kernel.pack(w), 50, 4, rest)
     for rows in (1, 4, 5):
         x = torch.randn(rows, 32, generator=g)
         torch.testing.assert_close(hook(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)

@@ -126,20 +126,42 @@ def test_every_bf16_path_gives_the_same_tokens(
             f"linear={p}" in runs["auto"]
             for p in ("onednn-bfloat16-packed", "c-bf16-avx512bf16<=", "c-bf16-amx<=")
         )
-    # With AMX the packed weights serve steps up to BF16_AMX_PACKED_MAX_ROWS, the plain ones
-    # (torch's product) the larger ones.
+    # Without the AMX GEMM kernel, with AMX, oneDNN's packed weights serve steps up to
+    # BF16_AMX_PACKED_MAX_ROWS, the plain ones (torch's product) the larger ones.
     chosen = cpu_backend.BF16_AMX_PACKED_MAX_ROWS
     packed = f"onednn-bfloat16-packed<={chosen}rows,torch" if own.amx_bf16 else ""
     packed = packed or "onednn-bfloat16-packedall-rows"
     if own.amx_bf16 and own.bf16_dot:
+        # As chosen: the small-step AMX kernel, then the AMX GEMM kernel on its packed copy,
+        # then torch's product on the plain weight; the logits have no packed copy.
+        small = cpu_backend.BF16_AMX_GEMM_MIN_ROWS - 1
+        gemm = f"c-bf16-amx-gemm<={cpu_backend.BF16_AMX_GEMM_MAX_ROWS}rows,torch"
+        assert f"linear=c-bf16-amx<={small}rows,{gemm}" in runs["auto"]
+        assert f"logits=c-bf16-amx<={small}rows,torch" in runs["auto"]
+        monkeypatch.delenv("KVFERRY_CPU_ISA")
+        cf.cpu_features.cache_clear()
+        # The GEMM kernel for every step of 4 rows or more (the prefills: 78 rows), and for
+        # 4-8 rows only (the prefills on the plain weights), each step past 3 rows padded.
+        chosen_gemm = cpu_backend.BF16_AMX_GEMM_MIN_ROWS, cpu_backend.BF16_AMX_GEMM_MAX_ROWS
+        for gemm_min, gemm_max in [(4, 2048), (4, 8)]:
+            monkeypatch.setattr(cpu_backend, "BF16_AMX_GEMM_MIN_ROWS", gemm_min)
+            monkeypatch.setattr(cpu_backend, "BF16_AMX_GEMM_MAX_ROWS", gemm_max)
+            got, line = generate(folder, caplog)
+            assert_same_greedy(got, want, BF16_TIE, ("gemm", gemm_min, gemm_max, line))
+            path = f"c-bf16-amx<={gemm_min - 1}rows,c-bf16-amx-gemm<={gemm_max}rows,torch"
+            assert f"linear={path}" in line
+            assert f"row_pad={cpu_backend.BF16_AMX_ROW_MULTIPLE}>={gemm_min}rows" in line
+        monkeypatch.setattr(cpu_backend, "BF16_AMX_GEMM_MIN_ROWS", chosen_gemm[0])
+        monkeypatch.setattr(cpu_backend, "BF16_AMX_GEMM_MAX_ROWS", chosen_gemm[1])
+        real_gemm = cpu_backend.load_bf16_amx_gemm
+        monkeypatch.setattr(cpu_backend, "load_bf16_amx_gemm", lambda: None)
         # The AMX kernel in front of the packed weights: as chosen, for every step up to 2,048
         # rows (prefill included), and not at all (the dot-product kernel takes one-row steps);
         # and with the plain weights from 9 rows up (every prefill step here).
-        assert f"linear=c-bf16-amx<={cpu_backend.BF16_AMX_MAX_ROWS}rows,{packed}" in runs["auto"]
-        monkeypatch.delenv("KVFERRY_CPU_ISA")
         cf.cpu_features.cache_clear()
+        got, line = generate(folder, caplog)
+        assert f"linear=c-bf16-amx<={cpu_backend.BF16_AMX_MAX_ROWS}rows,{packed}" in line
         for amx_rows, kernel, packed_rows in [
-            (cpu_backend.BF16_AMX_MAX_ROWS, True, chosen),
             (2048, True, chosen),
             (0, False, chosen),
             (4, True, 8),
@@ -159,6 +181,7 @@ def test_every_bf16_path_gives_the_same_tokens(
             # 4 rows, every prefill step here).
             assert f"row_pad={cpu_backend.BF16_AMX_ROW_MULTIPLE}>={amx_rows + 1}rows" in line
         monkeypatch.setattr(cpu_backend, "BF16_AMX_PACKED_MAX_ROWS", chosen)
+        monkeypatch.setattr(cpu_backend, "load_bf16_amx_gemm", real_gemm)
     if own.bf16_dot:
         # The dot-product kernel in front of the packed weights: for one-row steps (as
         # chosen), for every step up to 64 rows (prefill included), and not at all.
