@@ -9,6 +9,8 @@ The paths a model's linear layers can take on a CPU (``kvferry.worker.cpu_backen
     widen      the weight widened to fp32 for the call, then an fp32 GEMM
     c-<isa>    the C kernel that reads bf16 weights as they are (csrc/bf16_linear.c), in each
                variant this CPU runs (amx, avx512bf16, avx512, avx2, scalar)
+    amx-gemm   the AMX GEMM kernel on its packed copy of the weights (csrc/bf16_amx_gemm.c;
+               AMX only), for steps of a few hundred rows
 
 and with ``--dtype float32``: ``torch``, ``packed``, ``c-<isa>`` (the dense-weight kernel,
 csrc/f32_linear.c: avx512, avx2, scalar) and ``panels`` (csrc/f32_panel_linear.c on its copy of
@@ -27,6 +29,8 @@ steps compute logits only for the rows they sample).
         --rows 1,2,4,8,16 --paths packed,c-avx512bf16,c-avx512
     .venv/bin/python benchmarks/bf16_linear_paths.py --dtype float32 --layers 12 --no-logits \
         --rows 1,2,4,8,16,32,64,128 --paths packed,c-avx512,panels
+    .venv/bin/python benchmarks/bf16_linear_paths.py --shape qwen3-0.6b --layers 8 --no-logits \
+        --rows 144,192,256,384,528,640,768,1024 --paths torch,packed,c-amx,amx-gemm --reps 5
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
+from kvferry.native.bf16_amx_gemm import load_bf16_amx_gemm
 from kvferry.native.bf16_linear import VARIANTS, load_bf16_linear
 from kvferry.native.f32_linear import load_f32_linear
 from kvferry.native.f32_panel_linear import load_f32_panel_linear
@@ -76,6 +81,13 @@ def build_paths(names: list[str], weights: list[torch.Tensor]) -> dict[str, Path
                 continue
             laid = [(panel.pack(w), w.shape[0]) for w in weights]
             paths[name] = lambda x, i, k=panel, laid=laid: k(x, *laid[i])
+        elif name == "amx-gemm":
+            gemm = load_bf16_amx_gemm() if weights[0].dtype == torch.bfloat16 else None
+            if gemm is None or not all(gemm.packs(w) for w in weights):
+                print(f"skipping {name}: needs bf16 weights of sizes multiple of 32 and AMX")
+                continue
+            tiles = [(gemm.pack(w), w.shape[0]) for w in weights]
+            paths[name] = lambda x, i, k=gemm, tiles=tiles: k(x, *tiles[i])
         elif name.startswith("c-"):
             load = load_f32_linear if weights[0].dtype == torch.float32 else load_bf16_linear
             kernel = load(name[2:])  # type: ignore[arg-type]
@@ -96,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     if features.bf16_dot:
         runnable.insert(0, "c-avx512bf16")
     if features.bf16_dot and features.amx_bf16:
-        runnable.insert(0, "c-amx")
+        runnable[:0] = ["amx-gemm", "c-amx"]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--shape", choices=list(SHAPES), default="mid")
