@@ -201,12 +201,12 @@ gemm(const uint16_t *xt, const uint16_t *packed, const uint16_t *bias, int64_t M
 int kvf_bf16_amx_gemm_ready(void) { return -1; }
 #endif
 
-/* w [N, K] (row stride sw) into dst (N x K elements). Returns 0, -1
- * when N or K is not a multiple of 32 or AMX is not in this build. */
+/* w [N, K] (row stride sw) into dst (N x K elements). Returns 0, -1 when N or K is not a
+ * multiple of 32 or AMX cannot run here (the packing itself takes AVX-512). */
 int kvf_bf16_amx_pack(const uint16_t *w, int64_t sw, int64_t N, int64_t K, uint16_t *dst,
                       int num_threads) {
 #if KVF_HAVE_AMX
-    if (N % 32 || K % 32 || N <= 0 || K <= 0) return -1;
+    if (kvf_bf16_amx_gemm_ready() != 0 || N % 32 || K % 32 || N <= 0 || K <= 0) return -1;
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t j = 0; j < N / 32; j++) pack_panel(w, sw, K, j, dst);
     return 0;
