@@ -131,12 +131,11 @@ BF16_AMX_PACKED_MAX_ROWS = 383
 # (csrc/bf16_amx_gemm.c) serves the steps past the small-step kernel's rows, in place of
 # oneDNN's packed copy (so the weights still take two copies); oneDNN's GEMM on the plain
 # weight serves the larger ones. Over the 0.6B layers' four shapes, weights from memory, the
-# kernel runs 1.1-1.25x oneDNN's best at 300-530 rows, level at 640, 0.95x at 768; below 256
-# rows it trails oneDNN's packed GEMM (0.8x at 144, 0.97x at 256; Intel Xeon with AMX,
-# docs/benchmarks.md).
+# kernel runs 1.16x / 1.07x the better of oneDNN's two at 384 / 528 rows, level at 640, 0.9x
+# at 768; at 256 rows 0.94x oneDNN's packed GEMM (Intel Xeon with AMX, docs/benchmarks.md).
 BF16_AMX_GEMM_MAX_ROWS = 640
 # ... and from this many rows on: below, the small-step AMX kernel on the dense weight runs
-# ahead of it (1.1-1.2x at 144-160 rows, 1.07x at 192; the GEMM leads from 224).
+# level with it or ahead (1.08x at 144 rows, level at 192; the GEMM leads 1.19x at 256).
 BF16_AMX_GEMM_MIN_ROWS = 193
 # fp32 on an Intel CPU at the AVX-512 level: from this many rows on (a prompt's step with
 # decode rows beside it, long prefill steps, MLP passes of 1,024 rows) MKL's GEMM on the dense
