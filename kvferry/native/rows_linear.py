@@ -48,6 +48,7 @@ class RowsLinearKernel(VariantChoice):
         ]
         self._fn.restype = ctypes.c_int
         self._choose_variant(lib, self.NAME, variant)
+        self._failed = f"variant {variant!r} failed"  # formatted once: calls are per layer
 
     @classmethod
     def supports(cls, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -77,7 +78,7 @@ class RowsLinearKernel(VariantChoice):
             (weight.data_ptr(), weight.stride(0)),
             bias,
             weight.shape[0],
-            f"variant {self.variant!r} failed",
+            self._failed,
         )
 
 

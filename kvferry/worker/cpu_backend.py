@@ -500,7 +500,8 @@ class CPUBackend:
         """Each weight (fp32, or bf16 on a CPU with bf16 instructions) gets a oneDNN-packed
         copy for the steps :func:`packed_max_rows` gives it, which doubles the memory the
         weights take; other steps use the dense weight, whose layout does not matter there.
-        fp32 on AVX-512 adds the panel kernel's copy (three copies in all). Where torch has no
+        fp32 on AVX-512 adds the panel kernel's copy (three copies in all); bf16 on AMX gives
+        the AMX GEMM kernel its copy instead of oneDNN's (two copies). Where torch has no
         oneDNN, fp32 weights become input-major instead, which MKL streams faster for steps of
         a few rows; bf16 ones stay as they are."""
         rows = packed_max_rows(self.features, self.dtype)
@@ -552,18 +553,18 @@ class CPUBackend:
             # Layers whose sizes are not multiples of 32 keep oneDNN's packed copy.
             gemm_path = f"c-bf16-amx-gemm<={BF16_AMX_GEMM_MAX_ROWS}rows,torch"
             self.paths.update(linear=gemm_path + (f"|{self.paths['linear']}" if onednn else ""))
+        front = ""  # the C kernels in front of the main path
         if self.paths["linear"].startswith(("onednn", "c-bf16-amx-gemm")):
-            name = ""
             if self.small_steps is not None:
-                kernel, rows = self.small_steps
-                name = f"c-{kernel.NAME.removesuffix('_linear')}-{kernel.variant}<={rows}rows,"
+                kernel, small_rows = self.small_steps
+                front = f"c-{kernel.NAME.removesuffix('_linear')}-{kernel.variant}"
+                front += f"<={small_rows}rows,"
             if self.panel_linear is not None:
-                name += f"c-f32-panels<={F32_PANEL_MAX_ROWS}rows,"
-            self.paths.update(linear=name + self.paths["linear"])
-        self.paths.update(logits=self.paths["linear"])
-        if gemm is not None and model.tie_word_embeddings and self.small_steps is not None:
-            kernel, rows = self.small_steps
-            self.paths.update(logits=f"c-bf16-{kernel.variant}<={rows}rows,torch")
+                front += f"c-f32-panels<={F32_PANEL_MAX_ROWS}rows,"
+            self.paths.update(linear=front + self.paths["linear"])
+        # With the AMX GEMM, tied logits past the small steps take the plain weight.
+        tied_plain = gemm is not None and model.tie_word_embeddings
+        self.paths.update(logits=front + "torch" if tied_plain else self.paths["linear"])
 
     def _small_steps(self, rest: LinearKernel, weight: torch.Tensor) -> LinearKernel:
         """``rest``, with the C kernels for small steps in front of it where this backend has

@@ -21,7 +21,6 @@
 #define _DEFAULT_SOURCE /* syscall(), for the request for the tile state */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "amx.h"
 #include "rows_linear.h"
@@ -30,7 +29,6 @@
 #define KC 256                  /* inputs per chunk: one panel's chunk is 16 KiB */
 #define SUMS_BYTES (512 * 1024) /* each thread's fp32 sums: up to NC_MAX outputs x all rows */
 #define NC_MAX 128
-
 
 #if KVF_HAVE_AMX
 int kvf_bf16_amx_gemm_ready(void) { return amx_permitted() ? 0 : -1; }
